@@ -1,0 +1,3 @@
+"""mlafleet: serve DeepSeek-Sparse-Attention models (GLM-5) with vLLM on Blackwell fleets."""
+
+__version__ = "0.1.0"
