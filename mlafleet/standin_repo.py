@@ -372,6 +372,7 @@ def driver_packages(version: str, gpus: list[Gpu]) -> list[Package]:
                     "/lib/systemd/system/nvidia-persistenced.service": (_script('''\
                         [Unit]
                         Description=NVIDIA Persistence Daemon (STAND-IN, mlafleet lab)
+                        After=mlafleet-standin-nvidia-load.service
                         [Service]
                         ExecStart=/usr/bin/nvidia-persistenced
                         [Install]
