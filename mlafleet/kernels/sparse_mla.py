@@ -17,7 +17,13 @@ public entry points. It imports only torch and triton.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 D_NOPE = 512  # latent part of a token: the value vector
 D_ROPE = 64  # RoPE part, only in the key
@@ -170,18 +176,335 @@ def _fp8_rows(kv_cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------
+# Triton kernels
+#
+# One program = one query token x one block of heads x one slice ("split") of the token's
+# topk indices. It gathers BLOCK_N keys at a time (64-bit row offsets, masked: an invalid
+# index never reads the cache), computes the logits with tensor-core dots, and keeps an
+# online softmax. With one split it writes the bf16 output and the LSE; with several it
+# writes float32 partial outputs and partial LSEs, and _merge_splits_kernel combines them.
+#
+# --------------------------------------------------------------------------------------
+
+@triton.jit
+def _load_key_group(KV, row, valid, G: tl.constexpr, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Values 128*G .. 128*G+127 of BLOCK_N gathered keys, as [BLOCK_N, 128] in DOT_DTYPE.
+
+    row: per key, a pointer to its first byte (fp8) or element (bf16). Invalid keys read nothing.
+    fp8_ds_mla: float8_e4m3 values times their group's float32 scale, a power of two, so the
+    bf16 product is exact.
+    """
+    cols = G * 128 + tl.arange(0, 128)
+    if FP8:
+        raw = tl.load(row[:, None] + cols[None, :], mask=valid[:, None], other=0)
+        scale = tl.load((row + 512).to(tl.pointer_type(tl.float32)) + G, mask=valid, other=0.0)
+        vals = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
+    else:
+        vals = tl.load(row[:, None] + cols[None, :], mask=valid[:, None], other=0.0)
+    return vals.to(DOT_DTYPE)
+
+
+@triton.jit
+def _sparse_mla_kernel(
+    Q, stride_q_tok, stride_q_head, stride_q_dim,
+    KV, stride_kv_tok,  # bf16 cache: elements between tokens; fp8_ds_mla: bytes between tokens
+    n_slots,
+    IDX, stride_idx_tok, stride_idx_k,
+    OUT, stride_out_tok, stride_out_split, stride_out_head,
+    LSE, stride_lse_tok, stride_lse_split, stride_lse_head,
+    h_q, topk, tokens_per_split, n_split, n_head_blocks,
+    qk_scale_log2,  # sm_scale * log2(e): the softmax runs in base 2
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,  # KV is the fp8_ds_mla byte layout
+    PARTIAL: tl.constexpr,  # write float32 partials (several splits) instead of the final bf16
+    DOT_F32: tl.constexpr,  # interpreter: bf16 tl.dot is wrong there, so dot in float32
+):
+    # The 512 latent dims are handled as 4 groups of 128 (the fp8 scale groups): 4 key tiles,
+    # 4 query tiles, 4 accumulators. The 64 RoPE dims only enter the logits.
+    pid = tl.program_id(0)
+    head_block = pid % n_head_blocks
+    rest = pid // n_head_blocks
+    split = rest % n_split
+    tok = (rest // n_split).to(tl.int64)
+    dot_dtype: tl.constexpr = tl.float32 if DOT_F32 else tl.bfloat16
+
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < h_q  # heads past h_q are neither read nor written
+    d128 = tl.arange(0, 128)
+    d_rope = tl.arange(0, 64)
+    q_base = Q + tok * stride_q_tok + heads.to(tl.int64)[:, None] * stride_q_head
+    q0 = tl.load(q_base + (0 + d128)[None, :] * stride_q_dim, mask=head_ok[:, None], other=0.0).to(dot_dtype)
+    q1 = tl.load(q_base + (128 + d128)[None, :] * stride_q_dim, mask=head_ok[:, None], other=0.0).to(dot_dtype)
+    q2 = tl.load(q_base + (256 + d128)[None, :] * stride_q_dim, mask=head_ok[:, None], other=0.0).to(dot_dtype)
+    q3 = tl.load(q_base + (384 + d128)[None, :] * stride_q_dim, mask=head_ok[:, None], other=0.0).to(dot_dtype)
+    q_rope = tl.load(q_base + (512 + d_rope)[None, :] * stride_q_dim, mask=head_ok[:, None],
+                     other=0.0).to(dot_dtype)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of the logits (base 2)
+    l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(logit - m_i)
+    acc0 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
+
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, topk)
+    for n0 in range(0, tokens_per_split, BLOCK_N):  # the last split may be shorter: masked
+        offs = start + n0 + tl.arange(0, BLOCK_N)
+        idx = tl.load(IDX + tok * stride_idx_tok + offs * stride_idx_k, mask=offs < end, other=-1)
+        valid = (idx >= 0) & (idx < n_slots)
+        row = KV + tl.where(valid, idx, 0).to(tl.int64) * stride_kv_tok  # 64-bit: caches pass 2^31 bytes
+        k0 = _load_key_group(KV, row, valid, 0, FP8, dot_dtype)
+        k1 = _load_key_group(KV, row, valid, 1, FP8, dot_dtype)
+        k2 = _load_key_group(KV, row, valid, 2, FP8, dot_dtype)
+        k3 = _load_key_group(KV, row, valid, 3, FP8, dot_dtype)
+        if FP8:
+            rope_ptr = (row + 528).to(tl.pointer_type(tl.bfloat16))
+        else:
+            rope_ptr = row + 512
+        k_rope = tl.load(rope_ptr[:, None] + d_rope[None, :], mask=valid[:, None], other=0.0).to(dot_dtype)
+
+        logits = tl.dot(q_rope, tl.trans(k_rope))
+        logits = tl.dot(q0, tl.trans(k0), logits)
+        logits = tl.dot(q1, tl.trans(k1), logits)
+        logits = tl.dot(q2, tl.trans(k2), logits)
+        logits = tl.dot(q3, tl.trans(k3), logits)
+        logits = tl.where(valid[None, :], logits * qk_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(logits, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet: avoid inf - inf
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(logits - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(dot_dtype)
+        acc0 = tl.dot(p, k0, acc0 * alpha[:, None])
+        acc1 = tl.dot(p, k1, acc1 * alpha[:, None])
+        acc2 = tl.dot(p, k2, acc2 * alpha[:, None])
+        acc3 = tl.dot(p, k3, acc3 * alpha[:, None])
+        m_i = m_new
+
+    has_any = l_i > 0.0
+    l_safe = tl.where(has_any, l_i, 1.0)
+    m_safe = tl.where(has_any, m_i, 0.0)
+    inv_l = tl.where(has_any, 1.0 / l_safe, 0.0)[:, None]
+    empty_lse = float("-inf") if PARTIAL else float("inf")  # +inf is the contract's "no token"
+    lse = tl.where(has_any, (m_safe + tl.log2(l_safe)) * 0.6931471805599453, empty_lse)  # natural log
+
+    out_base = (OUT + tok * stride_out_tok + split * stride_out_split
+                + heads.to(tl.int64)[:, None] * stride_out_head + d128[None, :])
+    out_dtype = OUT.dtype.element_ty
+    tl.store(out_base + 0, (acc0 * inv_l).to(out_dtype), mask=head_ok[:, None])
+    tl.store(out_base + 128, (acc1 * inv_l).to(out_dtype), mask=head_ok[:, None])
+    tl.store(out_base + 256, (acc2 * inv_l).to(out_dtype), mask=head_ok[:, None])
+    tl.store(out_base + 384, (acc3 * inv_l).to(out_dtype), mask=head_ok[:, None])
+    lse_ptrs = LSE + tok * stride_lse_tok + split * stride_lse_split + heads * stride_lse_head
+    tl.store(lse_ptrs, lse, mask=head_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    PART_OUT, stride_po_tok, stride_po_split, stride_po_head,
+    PART_LSE, stride_pl_tok, stride_pl_split, stride_pl_head,
+    OUT, stride_out_tok, stride_out_head,
+    LSE, stride_lse_tok, stride_lse_head,
+    h_q, n_split,
+    BLOCK_SPLIT: tl.constexpr,
+):
+    """out = sum_i exp(lse_i - lse) * out_i, lse = log(sum_i exp(lse_i)); one program per (token, head)."""
+    pid = tl.program_id(0)
+    tok = (pid // h_q).to(tl.int64)
+    head = pid % h_q
+    splits = tl.arange(0, BLOCK_SPLIT)
+    pl = PART_LSE + tok * stride_pl_tok + head * stride_pl_head
+    lse_parts = tl.load(pl + splits * stride_pl_split, mask=splits < n_split, other=float("-inf"))
+    m = tl.max(lse_parts, 0)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp(lse_parts - m_ref), 0)  # empty splits (lse -inf) weigh 0
+
+    d = tl.arange(0, 512)
+    po = PART_OUT + tok * stride_po_tok + head * stride_po_head + d
+    acc = tl.zeros([512], tl.float32)
+    for i in range(n_split):
+        w = tl.exp(tl.load(pl + i * stride_pl_split) - m_ref)
+        acc += w * tl.load(po + i * stride_po_split)
+    has_any = total > 0.0
+    out = acc * tl.where(has_any, 1.0 / tl.where(has_any, total, 1.0), 0.0)
+    lse = tl.where(has_any, m_ref + tl.log(tl.where(has_any, total, 1.0)), float("inf"))
+    tl.store(OUT + tok * stride_out_tok + head * stride_out_head + d, out.to(OUT.dtype.element_ty))
+    tl.store(LSE + tok * stride_lse_tok + head * stride_lse_head, lse)
+
+
+# --------------------------------------------------------------------------------------
+# launcher
+# --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_h: int  # heads per program (tl.dot needs at least 16; the rest is masked)
+    block_n: int  # keys gathered per step
+    num_warps: int
+    num_stages: int
+
+
+# The only configs the launcher can choose. Every one must fit SM120 (99 KB of shared memory,
+# no register spills) for both cache dtypes: tests/kernels/test_sparse_mla_sm120.py proves it.
+CONFIGS: dict[int, KernelConfig] = {
+    16: KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
+    32: KernelConfig(block_h=32, block_n=32, num_warps=8, num_stages=2),
+}
+MERGE_NUM_WARPS = 4
+DEFAULT_NUM_SMS = 132  # used where no CUDA device answers (the interpreter)
+PROGRAMS_PER_SM = 2  # split topk until the grid has about this many programs per SM
+
+
+def choose_config(h_q: int) -> KernelConfig:
+    """The smallest head block that holds all heads, else the largest (h_q 128: 4 blocks of 32)."""
+    for block_h in sorted(CONFIGS):
+        if h_q <= block_h:
+            return CONFIGS[block_h]
+    return CONFIGS[max(CONFIGS)]
+
+
+def choose_num_splits(s_q: int, n_head_blocks: int, topk: int, block_n: int, num_sms: int) -> int:
+    """Split each row's topk across programs when s_q x head blocks cannot fill the GPU."""
+    programs = s_q * n_head_blocks
+    wanted = math.ceil(PROGRAMS_PER_SM * num_sms / programs)
+    return max(1, min(wanted, math.ceil(topk / block_n)))
+
+
+def sm120_compile_specs() -> list[dict]:
+    """Everything the launcher can launch, as arguments of sm120.compile_for_sm120.
+
+    Each config in CONFIGS for both cache dtypes and both output modes, plus the merge kernel,
+    with the specialisations Triton's JIT makes at a typical launch (contiguous last dims are
+    stride 1, token strides and pointers divisible by 16).
+    """
+    specs = []
+    for cfg in CONFIGS.values():
+        for fp8 in (False, True):
+            for partial in (False, True):
+                signature = {
+                    "Q": "*bf16", "stride_q_tok": "i32", "stride_q_head": "i32",
+                    "KV": "*u8" if fp8 else "*bf16", "stride_kv_tok": "i32", "n_slots": "i32",
+                    "IDX": "*i32", "stride_idx_tok": "i32",
+                    "OUT": "*fp32" if partial else "*bf16", "stride_out_tok": "i32",
+                    "stride_out_split": "i32", "stride_out_head": "i32",
+                    "LSE": "*fp32", "stride_lse_tok": "i32", "stride_lse_split": "i32",
+                    "stride_lse_head": "i32", "h_q": "i32", "topk": "i32", "tokens_per_split": "i32",
+                    "n_split": "i32", "n_head_blocks": "i32", "qk_scale_log2": "fp32",
+                }
+                constexprs = {"stride_q_dim": 1, "stride_idx_k": 1, "BLOCK_H": cfg.block_h,
+                              "BLOCK_N": cfg.block_n, "FP8": fp8, "PARTIAL": partial, "DOT_F32": False}
+                aligned = ["Q", "KV", "IDX", "OUT", "LSE", "stride_q_tok", "stride_q_head",
+                           "stride_kv_tok", "stride_out_tok", "stride_out_head"]
+                specs.append({"fn": _sparse_mla_kernel, "signature": signature, "constexprs": constexprs,
+                              "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "aligned": aligned})
+    merge_sig = {"PART_OUT": "*fp32", "stride_po_tok": "i32", "stride_po_split": "i32",
+                 "stride_po_head": "i32", "PART_LSE": "*fp32", "stride_pl_tok": "i32",
+                 "stride_pl_split": "i32", "stride_pl_head": "i32", "OUT": "*bf16",
+                 "stride_out_tok": "i32", "stride_out_head": "i32", "LSE": "*fp32",
+                 "stride_lse_tok": "i32", "stride_lse_head": "i32", "h_q": "i32", "n_split": "i32"}
+    for block_split in (2, 4, 8, 16, 32, 64, 128):  # next_power_of_2(num_splits)
+        specs.append({"fn": _merge_splits_kernel, "signature": merge_sig,
+                      "constexprs": {"BLOCK_SPLIT": block_split}, "num_warps": MERGE_NUM_WARPS,
+                      "num_stages": 1, "aligned": ["PART_OUT", "OUT", "LSE", "PART_LSE"]})
+    return specs
+
+
+def _interpreted() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return isinstance(_sparse_mla_kernel, InterpretedFunction)
+
+
+def _run(q: torch.Tensor, kv: torch.Tensor, stride_kv_tok: int, n_slots: int, indices: torch.Tensor,
+         sm_scale: float, fp8: bool, num_splits: int | None,
+         config: KernelConfig | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if q.dtype != torch.bfloat16:
+        raise TypeError(f"sparse MLA: q must be bfloat16, got {q.dtype}")
+    if not math.isfinite(sm_scale):
+        raise ValueError(f"sparse MLA: sm_scale must be finite, got {sm_scale}")
+    interpreted = _interpreted()
+    if not interpreted and q.device.type != "cuda":
+        raise ValueError(f"sparse MLA: tensors must be on a CUDA device, got {q.device} "
+                         "(CPU tensors run only under TRITON_INTERPRET=1, set before triton is imported)")
+    s_q, h_q, _ = q.shape
+    topk = indices.shape[2]
+    cfg = config or choose_config(h_q)
+    n_head_blocks = triton.cdiv(h_q, cfg.block_h)
+    if num_splits is None:
+        num_sms = (DEFAULT_NUM_SMS if interpreted
+                   else torch.cuda.get_device_properties(q.device).multi_processor_count)
+        num_splits = choose_num_splits(s_q, n_head_blocks, topk, cfg.block_n, num_sms)
+    if num_splits < 1:
+        raise ValueError(f"sparse MLA: num_splits must be at least 1, got {num_splits}")
+    tokens_per_split = triton.cdiv(triton.cdiv(topk, num_splits), cfg.block_n) * cfg.block_n
+    num_splits = triton.cdiv(topk, tokens_per_split)  # no empty trailing split
+
+    out = torch.empty(s_q, h_q, D_NOPE, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
+    if s_q == 0 or h_q == 0:
+        return out, lse
+    partial = num_splits > 1
+    if partial:
+        dst_out = torch.empty(s_q, num_splits, h_q, D_NOPE, dtype=torch.float32, device=q.device)
+        dst_lse = torch.empty(s_q, num_splits, h_q, dtype=torch.float32, device=q.device)
+        out_strides = (dst_out.stride(0), dst_out.stride(1), dst_out.stride(2))
+        lse_strides = (dst_lse.stride(0), dst_lse.stride(1), dst_lse.stride(2))
+    else:
+        dst_out, dst_lse = out, lse
+        out_strides = (out.stride(0), 0, out.stride(1))
+        lse_strides = (lse.stride(0), 0, lse.stride(1))
+
+    grid = (s_q * num_splits * n_head_blocks,)
+    _sparse_mla_kernel[grid](
+        q, q.stride(0), q.stride(1), q.stride(2),
+        kv, stride_kv_tok, n_slots,
+        indices, indices.stride(0), indices.stride(2),
+        dst_out, *out_strides,
+        dst_lse, *lse_strides,
+        h_q, topk, tokens_per_split, num_splits, n_head_blocks,
+        sm_scale * LOG2E,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, FP8=fp8, PARTIAL=partial, DOT_F32=interpreted,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if partial:
+        _merge_splits_kernel[(s_q * h_q,)](
+            dst_out, dst_out.stride(0), dst_out.stride(1), dst_out.stride(2),
+            dst_lse, dst_lse.stride(0), dst_lse.stride(1), dst_lse.stride(2),
+            out, out.stride(0), out.stride(1),
+            lse, lse.stride(0), lse.stride(1),
+            h_q, num_splits,
+            BLOCK_SPLIT=triton.next_power_of_2(num_splits), num_warps=MERGE_NUM_WARPS,
+        )
+    return out, lse
+
+
+LOG2E = 1.4426950408889634
+
+
+# --------------------------------------------------------------------------------------
 # public entry points
 # --------------------------------------------------------------------------------------
 
 def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
-                   d_v: int = D_NOPE) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse MLA with a bf16 KV cache: (out [s_q, h_q, 512] bf16, lse [s_q, h_q] float32)."""
-    out, lse = reference_sparse_mla(q, kv, indices, sm_scale, d_v)
-    return out.to(torch.bfloat16), lse
+                   d_v: int = D_NOPE, *, num_splits: int | None = None,
+                   config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA with a bf16 KV cache: (out [s_q, h_q, 512] bf16, lse [s_q, h_q] float32).
+
+    num_splits and config override the launcher's choices (tests and benchmarks).
+    """
+    _check_common(q, indices, d_v)
+    _check_bf16_kv(kv, q)
+    if kv.dtype != torch.bfloat16:
+        raise TypeError(f"sparse MLA: kv must be bfloat16, got {kv.dtype}")
+    if kv.stride(2) != 1:
+        raise ValueError("sparse MLA: the 576 values of a kv token must be contiguous")
+    return _run(q, kv, kv.stride(0), kv.shape[0], indices, float(sm_scale), False, num_splits, config)
 
 
 def sparse_mla_fwd_fp8(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
-                       sm_scale: float, d_v: int = D_NOPE) -> tuple[torch.Tensor, torch.Tensor]:
+                       sm_scale: float, d_v: int = D_NOPE, *, num_splits: int | None = None,
+                       config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA over an fp8_ds_mla cache: (out [s_q, h_q, 512] bf16, lse [s_q, h_q] float32)."""
-    out, lse = reference_sparse_mla_fp8(q, kv_cache, indices, sm_scale, d_v)
-    return out.to(torch.bfloat16), lse
+    _check_common(q, indices, d_v)
+    rows = _fp8_rows(kv_cache, q)
+    return _run(q, rows, rows.stride(0), rows.shape[0], indices, float(sm_scale), True, num_splits, config)
