@@ -187,21 +187,30 @@ def _fp8_rows(kv_cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------
 
 @triton.jit
-def _load_key_group(KV, row, valid, G: tl.constexpr, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Values 128*G .. 128*G+127 of BLOCK_N gathered keys, as [BLOCK_N, 128] in DOT_DTYPE.
+def _load_key_group(row, valid, G: tl.constexpr, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Values 128*G .. 128*G+127 of BLOCK_N gathered keys, [BLOCK_N, 128] in DOT_DTYPE.
 
-    row: per key, a pointer to its first byte (fp8) or element (bf16). Invalid keys read nothing.
-    fp8_ds_mla: float8_e4m3 values times their group's float32 scale, a power of two, so the
-    bf16 product is exact.
+    row: per key, a pointer to its first byte (fp8_ds_mla) or element (bf16). Invalid keys
+    read nothing. fp8 values come back unscaled (float8_e4m3 -> bf16 is exact); the caller
+    applies the group's scale to the [heads, keys] logits and probabilities instead, which
+    costs far less than scaling the [keys, 128] tile.
     """
     cols = G * 128 + tl.arange(0, 128)
     if FP8:
         raw = tl.load(row[:, None] + cols[None, :], mask=valid[:, None], other=0)
-        scale = tl.load((row + 512).to(tl.pointer_type(tl.float32)) + G, mask=valid, other=0.0)
-        vals = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
+        vals = raw.to(tl.float8e4nv, bitcast=True)
     else:
         vals = tl.load(row[:, None] + cols[None, :], mask=valid[:, None], other=0.0)
     return vals.to(DOT_DTYPE)
+
+
+@triton.jit
+def _load_key_scale(row, valid, G: tl.constexpr, FP8: tl.constexpr):
+    """The fp8_ds_mla scale of group G for each key, [BLOCK_N] float32 (1.0 for bf16 caches)."""
+    if FP8:
+        return tl.load((row + 512).to(tl.pointer_type(tl.float32)) + G, mask=valid, other=0.0)
+    else:
+        return tl.full(row.shape, 1.0, tl.float32)
 
 
 @triton.jit
@@ -254,10 +263,10 @@ def _sparse_mla_kernel(
         idx = tl.load(IDX + tok * stride_idx_tok + offs * stride_idx_k, mask=offs < end, other=-1)
         valid = (idx >= 0) & (idx < n_slots)
         row = KV + tl.where(valid, idx, 0).to(tl.int64) * stride_kv_tok  # 64-bit: caches pass 2^31 bytes
-        k0 = _load_key_group(KV, row, valid, 0, FP8, dot_dtype)
-        k1 = _load_key_group(KV, row, valid, 1, FP8, dot_dtype)
-        k2 = _load_key_group(KV, row, valid, 2, FP8, dot_dtype)
-        k3 = _load_key_group(KV, row, valid, 3, FP8, dot_dtype)
+        k0 = _load_key_group(row, valid, 0, FP8, dot_dtype)
+        k1 = _load_key_group(row, valid, 1, FP8, dot_dtype)
+        k2 = _load_key_group(row, valid, 2, FP8, dot_dtype)
+        k3 = _load_key_group(row, valid, 3, FP8, dot_dtype)
         if FP8:
             rope_ptr = (row + 528).to(tl.pointer_type(tl.bfloat16))
         else:
@@ -265,21 +274,37 @@ def _sparse_mla_kernel(
         k_rope = tl.load(rope_ptr[:, None] + d_rope[None, :], mask=valid[:, None], other=0.0).to(dot_dtype)
 
         logits = tl.dot(q_rope, tl.trans(k_rope))
-        logits = tl.dot(q0, tl.trans(k0), logits)
-        logits = tl.dot(q1, tl.trans(k1), logits)
-        logits = tl.dot(q2, tl.trans(k2), logits)
-        logits = tl.dot(q3, tl.trans(k3), logits)
+        if FP8:  # logits = sum over groups of scale_g[key] * (q_g . k_g): scales are per key and group
+            s0 = _load_key_scale(row, valid, 0, FP8)
+            s1 = _load_key_scale(row, valid, 1, FP8)
+            s2 = _load_key_scale(row, valid, 2, FP8)
+            s3 = _load_key_scale(row, valid, 3, FP8)
+            logits += tl.dot(q0, tl.trans(k0)) * s0[None, :]
+            logits += tl.dot(q1, tl.trans(k1)) * s1[None, :]
+            logits += tl.dot(q2, tl.trans(k2)) * s2[None, :]
+            logits += tl.dot(q3, tl.trans(k3)) * s3[None, :]
+        else:
+            logits = tl.dot(q0, tl.trans(k0), logits)
+            logits = tl.dot(q1, tl.trans(k1), logits)
+            logits = tl.dot(q2, tl.trans(k2), logits)
+            logits = tl.dot(q3, tl.trans(k3), logits)
         logits = tl.where(valid[None, :], logits * qk_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet: avoid inf - inf
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(logits - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        p = p.to(dot_dtype)
-        acc0 = tl.dot(p, k0, acc0 * alpha[:, None])
-        acc1 = tl.dot(p, k1, acc1 * alpha[:, None])
-        acc2 = tl.dot(p, k2, acc2 * alpha[:, None])
-        acc3 = tl.dot(p, k3, acc3 * alpha[:, None])
+        if FP8:  # p @ (scale_g * k_g) = (p * scale_g) @ k_g; a power-of-two scale keeps bf16 exact
+            acc0 = tl.dot((p * s0[None, :]).to(dot_dtype), k0, acc0 * alpha[:, None])
+            acc1 = tl.dot((p * s1[None, :]).to(dot_dtype), k1, acc1 * alpha[:, None])
+            acc2 = tl.dot((p * s2[None, :]).to(dot_dtype), k2, acc2 * alpha[:, None])
+            acc3 = tl.dot((p * s3[None, :]).to(dot_dtype), k3, acc3 * alpha[:, None])
+        else:
+            pd = p.to(dot_dtype)
+            acc0 = tl.dot(pd, k0, acc0 * alpha[:, None])
+            acc1 = tl.dot(pd, k1, acc1 * alpha[:, None])
+            acc2 = tl.dot(pd, k2, acc2 * alpha[:, None])
+            acc3 = tl.dot(pd, k3, acc3 * alpha[:, None])
         m_i = m_new
 
     has_any = l_i > 0.0
@@ -309,28 +334,33 @@ def _merge_splits_kernel(
     h_q, n_split,
     BLOCK_SPLIT: tl.constexpr,
 ):
-    """out = sum_i exp(lse_i - lse) * out_i, lse = log(sum_i exp(lse_i)); one program per (token, head)."""
+    """out = sum_i exp(lse_i - lse) * out_i, lse = log(sum_i exp(lse_i)).
+
+    One program per (token, head, 128 of the 512 output dims), all splits in one tile.
+    """
     pid = tl.program_id(0)
-    tok = (pid // h_q).to(tl.int64)
-    head = pid % h_q
+    chunk = pid % 4
+    tok = (pid // (4 * h_q)).to(tl.int64)
+    head = (pid // 4) % h_q
     splits = tl.arange(0, BLOCK_SPLIT)
+    split_ok = splits < n_split
     pl = PART_LSE + tok * stride_pl_tok + head * stride_pl_head
-    lse_parts = tl.load(pl + splits * stride_pl_split, mask=splits < n_split, other=float("-inf"))
+    lse_parts = tl.load(pl + splits * stride_pl_split, mask=split_ok, other=float("-inf"))
     m = tl.max(lse_parts, 0)
     m_ref = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp(lse_parts - m_ref), 0)  # empty splits (lse -inf) weigh 0
+    weights = tl.exp(lse_parts - m_ref)  # empty splits (lse -inf) weigh 0
+    total = tl.sum(weights, 0)
 
-    d = tl.arange(0, 512)
-    po = PART_OUT + tok * stride_po_tok + head * stride_po_head + d
-    acc = tl.zeros([512], tl.float32)
-    for i in range(n_split):
-        w = tl.exp(tl.load(pl + i * stride_pl_split) - m_ref)
-        acc += w * tl.load(po + i * stride_po_split)
+    d = chunk * 128 + tl.arange(0, 128)
+    po = (PART_OUT + tok * stride_po_tok + head * stride_po_head
+          + splits[:, None].to(tl.int64) * stride_po_split + d[None, :])
+    parts = tl.load(po, mask=split_ok[:, None], other=0.0)
     has_any = total > 0.0
-    out = acc * tl.where(has_any, 1.0 / tl.where(has_any, total, 1.0), 0.0)
-    lse = tl.where(has_any, m_ref + tl.log(tl.where(has_any, total, 1.0)), float("inf"))
+    out = tl.sum(parts * weights[:, None], 0) * tl.where(has_any, 1.0 / tl.where(has_any, total, 1.0), 0.0)
     tl.store(OUT + tok * stride_out_tok + head * stride_out_head + d, out.to(OUT.dtype.element_ty))
-    tl.store(LSE + tok * stride_lse_tok + head * stride_lse_head, lse)
+    if chunk == 0:
+        lse = tl.where(has_any, m_ref + tl.log(tl.where(has_any, total, 1.0)), float("inf"))
+        tl.store(LSE + tok * stride_lse_tok + head * stride_lse_head, lse)
 
 
 # --------------------------------------------------------------------------------------
@@ -345,65 +375,70 @@ class KernelConfig:
     num_stages: int
 
 
-# The only configs the launcher can choose. Every one must fit SM120 (99 KB of shared memory,
-# no register spills) for both cache dtypes: tests/kernels/test_sparse_mla_sm120.py proves it.
-CONFIGS: dict[int, KernelConfig] = {
-    16: KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
-    32: KernelConfig(block_h=32, block_n=32, num_warps=8, num_stages=2),
+# The only configs the launcher can choose, by (cache dtype, head block). Every one must fit
+# SM120 (99 KB of shared memory, no register spills) for its dtype:
+# tests/kernels/test_sparse_mla_sm120.py compiles each for sm_120.
+CONFIGS: dict[tuple[str, int], KernelConfig] = {
+    ("bf16", 16): KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
+    ("fp8", 16): KernelConfig(block_h=16, block_n=32, num_warps=8, num_stages=1),
+    ("fp8", 32): KernelConfig(block_h=32, block_n=32, num_warps=8, num_stages=2),
 }
+MAX_SPLITS = 64  # the merge kernel holds all splits of a row in one tile
 MERGE_NUM_WARPS = 4
 DEFAULT_NUM_SMS = 132  # used where no CUDA device answers (the interpreter)
-PROGRAMS_PER_SM = 2  # split topk until the grid has about this many programs per SM
+PROGRAMS_PER_SM = 2  # split topk until the grid has about this many programs per SM ...
+MIN_SPLIT_TOKENS = 64  # ... but give each split at least this many keys (H200 sweep, docs/perf-kernels.md)
 
 
-def choose_config(h_q: int) -> KernelConfig:
-    """The smallest head block that holds all heads, else the largest (h_q 128: 4 blocks of 32)."""
-    for block_h in sorted(CONFIGS):
-        if h_q <= block_h:
-            return CONFIGS[block_h]
-    return CONFIGS[max(CONFIGS)]
+def choose_config(h_q: int, fp8: bool = False) -> KernelConfig:
+    """The head block. bf16: 16 (on the H200 as fast as or faster than 32 for every head count
+    measured). fp8: 16 up to 16 heads, else 32, so that fewer programs convert the same keys."""
+    if not fp8:
+        return CONFIGS[("bf16", 16)]
+    return CONFIGS[("fp8", 16 if h_q <= 16 else 32)]
 
 
 def choose_num_splits(s_q: int, n_head_blocks: int, topk: int, block_n: int, num_sms: int) -> int:
     """Split each row's topk across programs when s_q x head blocks cannot fill the GPU."""
     programs = s_q * n_head_blocks
     wanted = math.ceil(PROGRAMS_PER_SM * num_sms / programs)
-    return max(1, min(wanted, math.ceil(topk / block_n)))
+    most = min(MAX_SPLITS, max(1, topk // max(MIN_SPLIT_TOKENS, block_n)))
+    return max(1, min(wanted, most))
 
 
 def sm120_compile_specs() -> list[dict]:
     """Everything the launcher can launch, as arguments of sm120.compile_for_sm120.
 
-    Each config in CONFIGS for both cache dtypes and both output modes, plus the merge kernel,
+    Each config in CONFIGS for its cache dtype and both output modes, plus the merge kernel,
     with the specialisations Triton's JIT makes at a typical launch (contiguous last dims are
     stride 1, token strides and pointers divisible by 16).
     """
     specs = []
-    for cfg in CONFIGS.values():
-        for fp8 in (False, True):
-            for partial in (False, True):
-                signature = {
-                    "Q": "*bf16", "stride_q_tok": "i32", "stride_q_head": "i32",
-                    "KV": "*u8" if fp8 else "*bf16", "stride_kv_tok": "i32", "n_slots": "i32",
-                    "IDX": "*i32", "stride_idx_tok": "i32",
-                    "OUT": "*fp32" if partial else "*bf16", "stride_out_tok": "i32",
-                    "stride_out_split": "i32", "stride_out_head": "i32",
-                    "LSE": "*fp32", "stride_lse_tok": "i32", "stride_lse_split": "i32",
-                    "stride_lse_head": "i32", "h_q": "i32", "topk": "i32", "tokens_per_split": "i32",
-                    "n_split": "i32", "n_head_blocks": "i32", "qk_scale_log2": "fp32",
-                }
-                constexprs = {"stride_q_dim": 1, "stride_idx_k": 1, "BLOCK_H": cfg.block_h,
-                              "BLOCK_N": cfg.block_n, "FP8": fp8, "PARTIAL": partial, "DOT_F32": False}
-                aligned = ["Q", "KV", "IDX", "OUT", "LSE", "stride_q_tok", "stride_q_head",
-                           "stride_kv_tok", "stride_out_tok", "stride_out_head"]
-                specs.append({"fn": _sparse_mla_kernel, "signature": signature, "constexprs": constexprs,
-                              "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "aligned": aligned})
+    for (dtype, _), cfg in CONFIGS.items():
+        fp8 = dtype == "fp8"
+        for partial in (False, True):
+            signature = {
+                "Q": "*bf16", "stride_q_tok": "i32", "stride_q_head": "i32",
+                "KV": "*u8" if fp8 else "*bf16", "stride_kv_tok": "i32", "n_slots": "i32",
+                "IDX": "*i32", "stride_idx_tok": "i32",
+                "OUT": "*fp32" if partial else "*bf16", "stride_out_tok": "i32",
+                "stride_out_split": "i32", "stride_out_head": "i32",
+                "LSE": "*fp32", "stride_lse_tok": "i32", "stride_lse_split": "i32",
+                "stride_lse_head": "i32", "h_q": "i32", "topk": "i32", "tokens_per_split": "i32",
+                "n_split": "i32", "n_head_blocks": "i32", "qk_scale_log2": "fp32",
+            }
+            constexprs = {"stride_q_dim": 1, "stride_idx_k": 1, "BLOCK_H": cfg.block_h,
+                          "BLOCK_N": cfg.block_n, "FP8": fp8, "PARTIAL": partial, "DOT_F32": False}
+            aligned = ["Q", "KV", "IDX", "OUT", "LSE", "stride_q_tok", "stride_q_head",
+                       "stride_kv_tok", "stride_out_tok", "stride_out_head"]
+            specs.append({"fn": _sparse_mla_kernel, "signature": signature, "constexprs": constexprs,
+                          "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "aligned": aligned})
     merge_sig = {"PART_OUT": "*fp32", "stride_po_tok": "i32", "stride_po_split": "i32",
                  "stride_po_head": "i32", "PART_LSE": "*fp32", "stride_pl_tok": "i32",
                  "stride_pl_split": "i32", "stride_pl_head": "i32", "OUT": "*bf16",
                  "stride_out_tok": "i32", "stride_out_head": "i32", "LSE": "*fp32",
                  "stride_lse_tok": "i32", "stride_lse_head": "i32", "h_q": "i32", "n_split": "i32"}
-    for block_split in (2, 4, 8, 16, 32, 64, 128):  # next_power_of_2(num_splits)
+    for block_split in (2, 4, 8, 16, 32, 64):  # next_power_of_2(num_splits), num_splits <= 64
         specs.append({"fn": _merge_splits_kernel, "signature": merge_sig,
                       "constexprs": {"BLOCK_SPLIT": block_split}, "num_warps": MERGE_NUM_WARPS,
                       "num_stages": 1, "aligned": ["PART_OUT", "OUT", "LSE", "PART_LSE"]})
@@ -428,14 +463,14 @@ def _run(q: torch.Tensor, kv: torch.Tensor, stride_kv_tok: int, n_slots: int, in
                          "(CPU tensors run only under TRITON_INTERPRET=1, set before triton is imported)")
     s_q, h_q, _ = q.shape
     topk = indices.shape[2]
-    cfg = config or choose_config(h_q)
+    cfg = config or choose_config(h_q, fp8)
     n_head_blocks = triton.cdiv(h_q, cfg.block_h)
     if num_splits is None:
         num_sms = (DEFAULT_NUM_SMS if interpreted
                    else torch.cuda.get_device_properties(q.device).multi_processor_count)
         num_splits = choose_num_splits(s_q, n_head_blocks, topk, cfg.block_n, num_sms)
-    if num_splits < 1:
-        raise ValueError(f"sparse MLA: num_splits must be at least 1, got {num_splits}")
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"sparse MLA: num_splits must be 1 to {MAX_SPLITS}, got {num_splits}")
     tokens_per_split = triton.cdiv(triton.cdiv(topk, num_splits), cfg.block_n) * cfg.block_n
     num_splits = triton.cdiv(topk, tokens_per_split)  # no empty trailing split
 
@@ -467,7 +502,7 @@ def _run(q: torch.Tensor, kv: torch.Tensor, stride_kv_tok: int, n_slots: int, in
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if partial:
-        _merge_splits_kernel[(s_q * h_q,)](
+        _merge_splits_kernel[(s_q * h_q * 4,)](
             dst_out, dst_out.stride(0), dst_out.stride(1), dst_out.stride(2),
             dst_lse, dst_lse.stride(0), dst_lse.stride(1), dst_lse.stride(2),
             out, out.stride(0), out.stride(1),

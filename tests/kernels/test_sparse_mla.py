@@ -283,11 +283,11 @@ def test_bad_inputs_are_named(gen: torch.Generator) -> None:
 
 def test_launcher_choices() -> None:
     for h_q in range(1, 257):
-        cfg = choose_config(h_q)
-        assert cfg in CONFIGS.values()
-        assert cfg.block_h >= min(h_q, max(CONFIGS))
+        for fp8 in (False, True):
+            assert choose_config(h_q, fp8) in CONFIGS.values()
+    assert choose_config(64, fp8=True).block_h == 32 and choose_config(64).block_h == 16
     # decode at batch 1 on 132 SMs: split topk 2048 into many programs; prefill: no split
-    assert choose_num_splits(1, 1, 2048, 32, 132) == 64
-    assert 2 <= choose_num_splits(8, 2, 2048, 32, 132) <= 64
+    assert choose_num_splits(1, 1, 2048, 32, 132) == 32  # at least 64 keys per split
+    assert 2 <= choose_num_splits(64, 1, 2048, 32, 132) <= 8
     assert choose_num_splits(4096, 4, 2048, 32, 132) == 1
     assert choose_num_splits(1, 1, 1, 32, 132) == 1
