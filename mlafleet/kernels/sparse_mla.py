@@ -187,30 +187,42 @@ def _fp8_rows(kv_cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------
 
 @triton.jit
-def _load_key_group(row, valid, G: tl.constexpr, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Values 128*G .. 128*G+127 of BLOCK_N gathered keys, [BLOCK_N, 128] in DOT_DTYPE.
-
-    row: per key, a pointer to its first byte (fp8_ds_mla) or element (bf16). Invalid keys
-    read nothing. fp8 values come back unscaled (float8_e4m3 -> bf16 is exact); the caller
-    applies the group's scale to the [heads, keys] logits and probabilities instead, which
-    costs far less than scaling the [keys, 128] tile.
-    """
-    cols = G * 128 + tl.arange(0, 128)
+def _issue_key_loads(row, valid, FP8: tl.constexpr):
+    """Start loading BLOCK_N gathered keys: 4 raw groups of 128 latent values, 4 fp8 scales
+    (1.0 for bf16), the 64 RoPE values. Nothing here uses the loaded values, so the loads stay
+    in flight while the previous tile is computed. row: per key, a pointer to its first byte
+    (fp8_ds_mla) or element (bf16); invalid keys read nothing."""
+    cols = tl.arange(0, 128)
+    d_rope = tl.arange(0, 64)
+    m = valid[:, None]
+    g0 = tl.load(row[:, None] + cols[None, :], mask=m, other=0)
+    g1 = tl.load(row[:, None] + (128 + cols)[None, :], mask=m, other=0)
+    g2 = tl.load(row[:, None] + (256 + cols)[None, :], mask=m, other=0)
+    g3 = tl.load(row[:, None] + (384 + cols)[None, :], mask=m, other=0)
     if FP8:
-        raw = tl.load(row[:, None] + cols[None, :], mask=valid[:, None], other=0)
-        vals = raw.to(tl.float8e4nv, bitcast=True)
+        scales = (row + 512).to(tl.pointer_type(tl.float32))
+        s0 = tl.load(scales + 0, mask=valid, other=0.0)
+        s1 = tl.load(scales + 1, mask=valid, other=0.0)
+        s2 = tl.load(scales + 2, mask=valid, other=0.0)
+        s3 = tl.load(scales + 3, mask=valid, other=0.0)
+        rope = tl.load((row + 528).to(tl.pointer_type(tl.bfloat16))[:, None] + d_rope[None, :], mask=m, other=0.0)
     else:
-        vals = tl.load(row[:, None] + cols[None, :], mask=valid[:, None], other=0.0)
-    return vals.to(DOT_DTYPE)
+        s0 = tl.full(valid.shape, 1.0, tl.float32)
+        s1 = s0
+        s2 = s0
+        s3 = s0
+        rope = tl.load(row[:, None] + (512 + d_rope)[None, :], mask=m, other=0.0)
+    return g0, g1, g2, g3, s0, s1, s2, s3, rope
 
 
 @triton.jit
-def _load_key_scale(row, valid, G: tl.constexpr, FP8: tl.constexpr):
-    """The fp8_ds_mla scale of group G for each key, [BLOCK_N] float32 (1.0 for bf16 caches)."""
+def _key_group(raw, scale, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """A loaded group as a dot operand. fp8_ds_mla: float8_e4m3 times its group's float32
+    scale, a power of two, so the bf16 product is exact."""
     if FP8:
-        return tl.load((row + 512).to(tl.pointer_type(tl.float32)) + G, mask=valid, other=0.0)
+        return (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]).to(DOT_DTYPE)
     else:
-        return tl.full(row.shape, 1.0, tl.float32)
+        return raw.to(DOT_DTYPE)
 
 
 @triton.jit
@@ -226,6 +238,7 @@ def _sparse_mla_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,  # KV is the fp8_ds_mla byte layout
     PARTIAL: tl.constexpr,  # write float32 partials (several splits) instead of the final bf16
+    PREFETCH: tl.constexpr,  # issue the next tile's gathers before this tile's math
     DOT_F32: tl.constexpr,  # interpreter: bf16 tl.dot is wrong there, so dot in float32
 ):
     # The 512 latent dims are handled as 4 groups of 128 (the fp8 scale groups): 4 key tiles,
@@ -256,56 +269,62 @@ def _sparse_mla_kernel(
     acc2 = tl.zeros([BLOCK_H, 128], tl.float32)
     acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
 
+    # PREFETCH: a software pipeline. The indices run two tiles ahead and the key gathers one
+    # tile ahead of the math, so tile i+1's loads are in flight while tile i is computed. It
+    # pays where the loaded bytes must pass through registers anyway (fp8: converted before
+    # the dot) and costs registers and occupancy otherwise (H200: bf16 slower with it).
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, topk)
-    for n0 in range(0, tokens_per_split, BLOCK_N):  # the last split may be shorter: masked
-        offs = start + n0 + tl.arange(0, BLOCK_N)
-        idx = tl.load(IDX + tok * stride_idx_tok + offs * stride_idx_k, mask=offs < end, other=-1)
+    idx_base = IDX + tok * stride_idx_tok
+    if PREFETCH:
+        offs = start + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_base + offs * stride_idx_k, mask=offs < end, other=-1)
         valid = (idx >= 0) & (idx < n_slots)
-        row = KV + tl.where(valid, idx, 0).to(tl.int64) * stride_kv_tok  # 64-bit: caches pass 2^31 bytes
-        k0 = _load_key_group(row, valid, 0, FP8, dot_dtype)
-        k1 = _load_key_group(row, valid, 1, FP8, dot_dtype)
-        k2 = _load_key_group(row, valid, 2, FP8, dot_dtype)
-        k3 = _load_key_group(row, valid, 3, FP8, dot_dtype)
-        if FP8:
-            rope_ptr = (row + 528).to(tl.pointer_type(tl.bfloat16))
+        row = KV + tl.where(valid, idx, 0).to(tl.int64) * stride_kv_tok  # 64-bit: caches pass 2^31 B
+        g0, g1, g2, g3, s0, s1, s2, s3, g_rope = _issue_key_loads(row, valid, FP8)
+        offs_next = offs + BLOCK_N
+        idx_next = tl.load(idx_base + offs_next * stride_idx_k, mask=offs_next < end, other=-1)
+    for n0 in range(0, tokens_per_split, BLOCK_N):  # the last split may be shorter: masked
+        if PREFETCH:
+            valid_next = (idx_next >= 0) & (idx_next < n_slots)
+            row_next = KV + tl.where(valid_next, idx_next, 0).to(tl.int64) * stride_kv_tok
+            n_g0, n_g1, n_g2, n_g3, n_s0, n_s1, n_s2, n_s3, n_rope = _issue_key_loads(row_next, valid_next, FP8)
+            offs_after = start + n0 + 2 * BLOCK_N + tl.arange(0, BLOCK_N)
+            idx_after = tl.load(idx_base + offs_after * stride_idx_k, mask=offs_after < end, other=-1)
         else:
-            rope_ptr = row + 512
-        k_rope = tl.load(rope_ptr[:, None] + d_rope[None, :], mask=valid[:, None], other=0.0).to(dot_dtype)
+            offs = start + n0 + tl.arange(0, BLOCK_N)
+            idx = tl.load(idx_base + offs * stride_idx_k, mask=offs < end, other=-1)
+            valid = (idx >= 0) & (idx < n_slots)
+            row = KV + tl.where(valid, idx, 0).to(tl.int64) * stride_kv_tok  # 64-bit offsets
+            g0, g1, g2, g3, s0, s1, s2, s3, g_rope = _issue_key_loads(row, valid, FP8)
 
+        k0 = _key_group(g0, s0, FP8, dot_dtype)
+        k1 = _key_group(g1, s1, FP8, dot_dtype)
+        k2 = _key_group(g2, s2, FP8, dot_dtype)
+        k3 = _key_group(g3, s3, FP8, dot_dtype)
+        k_rope = g_rope.to(dot_dtype)
         logits = tl.dot(q_rope, tl.trans(k_rope))
-        if FP8:  # logits = sum over groups of scale_g[key] * (q_g . k_g): scales are per key and group
-            s0 = _load_key_scale(row, valid, 0, FP8)
-            s1 = _load_key_scale(row, valid, 1, FP8)
-            s2 = _load_key_scale(row, valid, 2, FP8)
-            s3 = _load_key_scale(row, valid, 3, FP8)
-            logits += tl.dot(q0, tl.trans(k0)) * s0[None, :]
-            logits += tl.dot(q1, tl.trans(k1)) * s1[None, :]
-            logits += tl.dot(q2, tl.trans(k2)) * s2[None, :]
-            logits += tl.dot(q3, tl.trans(k3)) * s3[None, :]
-        else:
-            logits = tl.dot(q0, tl.trans(k0), logits)
-            logits = tl.dot(q1, tl.trans(k1), logits)
-            logits = tl.dot(q2, tl.trans(k2), logits)
-            logits = tl.dot(q3, tl.trans(k3), logits)
+        logits = tl.dot(q0, tl.trans(k0), logits)
+        logits = tl.dot(q1, tl.trans(k1), logits)
+        logits = tl.dot(q2, tl.trans(k2), logits)
+        logits = tl.dot(q3, tl.trans(k3), logits)
         logits = tl.where(valid[None, :], logits * qk_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet: avoid inf - inf
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(logits - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if FP8:  # p @ (scale_g * k_g) = (p * scale_g) @ k_g; a power-of-two scale keeps bf16 exact
-            acc0 = tl.dot((p * s0[None, :]).to(dot_dtype), k0, acc0 * alpha[:, None])
-            acc1 = tl.dot((p * s1[None, :]).to(dot_dtype), k1, acc1 * alpha[:, None])
-            acc2 = tl.dot((p * s2[None, :]).to(dot_dtype), k2, acc2 * alpha[:, None])
-            acc3 = tl.dot((p * s3[None, :]).to(dot_dtype), k3, acc3 * alpha[:, None])
-        else:
-            pd = p.to(dot_dtype)
-            acc0 = tl.dot(pd, k0, acc0 * alpha[:, None])
-            acc1 = tl.dot(pd, k1, acc1 * alpha[:, None])
-            acc2 = tl.dot(pd, k2, acc2 * alpha[:, None])
-            acc3 = tl.dot(pd, k3, acc3 * alpha[:, None])
+        p = p.to(dot_dtype)
+        acc0 = tl.dot(p, k0, acc0 * alpha[:, None])
+        acc1 = tl.dot(p, k1, acc1 * alpha[:, None])
+        acc2 = tl.dot(p, k2, acc2 * alpha[:, None])
+        acc3 = tl.dot(p, k3, acc3 * alpha[:, None])
         m_i = m_new
+
+        if PREFETCH:
+            valid = valid_next
+            g0, g1, g2, g3, s0, s1, s2, s3, g_rope = n_g0, n_g1, n_g2, n_g3, n_s0, n_s1, n_s2, n_s3, n_rope
+            idx_next = idx_after
 
     has_any = l_i > 0.0
     l_safe = tl.where(has_any, l_i, 1.0)
@@ -428,7 +447,8 @@ def sm120_compile_specs() -> list[dict]:
                 "n_split": "i32", "n_head_blocks": "i32", "qk_scale_log2": "fp32",
             }
             constexprs = {"stride_q_dim": 1, "stride_idx_k": 1, "BLOCK_H": cfg.block_h,
-                          "BLOCK_N": cfg.block_n, "FP8": fp8, "PARTIAL": partial, "DOT_F32": False}
+                          "BLOCK_N": cfg.block_n, "FP8": fp8, "PARTIAL": partial, "PREFETCH": fp8,
+                          "DOT_F32": False}
             aligned = ["Q", "KV", "IDX", "OUT", "LSE", "stride_q_tok", "stride_q_head",
                        "stride_kv_tok", "stride_out_tok", "stride_out_head"]
             specs.append({"fn": _sparse_mla_kernel, "signature": signature, "constexprs": constexprs,
@@ -498,7 +518,9 @@ def _run(q: torch.Tensor, kv: torch.Tensor, stride_kv_tok: int, n_slots: int, in
         dst_lse, *lse_strides,
         h_q, topk, tokens_per_split, num_splits, n_head_blocks,
         sm_scale * LOG2E,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, FP8=fp8, PARTIAL=partial, DOT_F32=interpreted,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, FP8=fp8, PARTIAL=partial,
+        PREFETCH=fp8,  # measured on the H200: faster for fp8, slower for bf16 (docs/perf-kernels.md)
+        DOT_F32=interpreted,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if partial:
