@@ -11,8 +11,14 @@ The contract is the one of vLLM 0.20.2's FlashMLA sparse calls (DESIGN.md sectio
 fp8_ds_mla: 656 bytes per token. Bytes 0-511: 512 float8_e4m3 values; 512-527: four
 float32 scales, one per 128 values (x = fp8 * scale); 528-655: the 64 bf16 RoPE values.
 
-This module holds the readable float32 references, the fp8_ds_mla quantiser, and the
-public entry points. It imports only torch and triton.
+This module holds the readable float32 references and the fp8_ds_mla quantiser (the ground
+truth), the Triton kernels with their launcher, and the public entry points
+sparse_mla_fwd / sparse_mla_fwd_fp8. It imports only torch and triton.
+
+On a CUDA GPU the kernels are compiled; with TRITON_INTERPRET=1 set before triton is imported
+they run on CPU tensors in Triton's interpreter (the CI tests). Every config the launcher can
+choose fits SM120 (sm120_compile_specs, checked by tests/kernels/test_sparse_mla_sm120.py).
+Benchmark against FlashMLA: bench/sparse_mla.py, results in docs/perf-kernels.md.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ FP8_TOKEN_BYTES = D_NOPE + 4 * FP8_GROUPS + 2 * D_ROPE  # 656
 FP8_SCALE_OFFSET = D_NOPE  # 512
 FP8_ROPE_OFFSET = D_NOPE + 4 * FP8_GROUPS  # 528
 FP8_BLOCK_SIZE = 64  # tokens per cache block for fp8_ds_mla
+LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2
 
 
 # --------------------------------------------------------------------------------------
@@ -534,8 +541,6 @@ def _run(q: torch.Tensor, kv: torch.Tensor, stride_kv_tok: int, n_slots: int, in
         )
     return out, lse
 
-
-LOG2E = 1.4426950408889634
 
 
 # --------------------------------------------------------------------------------------
