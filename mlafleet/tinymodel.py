@@ -183,10 +183,13 @@ def gguf_tensors(config: dict[str, Any], state: dict[str, torch.Tensor]) -> dict
     return out
 
 
-def _tensor_type(name: str, tensor: torch.Tensor, gguf_type: str) -> gguf.GGMLQuantizationType:
-    """llama.cpp's choices: 1-D tensors and the router stay F32; matrices get the chosen type."""
+def _tensor_type(name: str, tensor: torch.Tensor, gguf_type: str, kv_b_type: str) -> gguf.GGMLQuantizationType:
+    """llama.cpp's choices: 1-D tensors and the router stay F32; attn_k_b/attn_v_b get
+    `kv_b_type`; other matrices get `gguf_type`."""
     if tensor.ndim == 1 or name.endswith("ffn_gate_inp.weight"):
         return gguf.GGMLQuantizationType.F32
+    if name.endswith((".attn_k_b.weight", ".attn_v_b.weight")):
+        return gguf.GGMLQuantizationType[kv_b_type]
     return gguf.GGMLQuantizationType[gguf_type]
 
 
@@ -313,10 +316,12 @@ def _add_metadata(w: gguf.GGUFWriter, config: dict[str, Any], tok, gguf_type: st
 
 
 def write_gguf(out_dir: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], tok, *,
-               shards: int, gguf_type: str) -> list[Path]:
+               shards: int, gguf_type: str, kv_b_type: str | None = None) -> list[Path]:
     """Write `tensors` as `shards` GGUF files `<name>-0000K-of-0000N.gguf`; returns them in order."""
-    if gguf_type not in GGUF_TYPES:
-        raise ValueError(f"gguf_type {gguf_type!r} is not one of {GGUF_TYPES}")
+    kv_b_type = kv_b_type or gguf_type
+    for label, value in (("gguf_type", gguf_type), ("kv_b_type", kv_b_type)):
+        if value not in GGUF_TYPES:
+            raise ValueError(f"{label} {value!r} is not one of {GGUF_TYPES}")
     if not 1 <= shards <= len(tensors):
         raise ValueError(f"gguf_shards must be between 1 and {len(tensors)}, got {shards}")
     per_shard = math.ceil(len(tensors) / shards)
@@ -325,7 +330,7 @@ def write_gguf(out_dir: Path, config: dict[str, Any], tensors: dict[str, torch.T
                         split_max_tensors=per_shard if shards > 1 else 0)
     _add_metadata(w, config, tok, gguf_type)
     for name, t in tensors.items():
-        qtype = _tensor_type(name, t, gguf_type)
+        qtype = _tensor_type(name, t, gguf_type, kv_b_type)
         data = _encode(t, qtype)
         w.add_tensor(name, data, raw_dtype=None if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) else qtype)
     paths = w.format_shard_names(base) if shards > 1 else [base]
@@ -343,16 +348,20 @@ def write_gguf(out_dir: Path, config: dict[str, Any], tensors: dict[str, torch.T
 
 
 def write_tiny_glm5(out_dir: str | Path, *, gguf_shards: int = 3, safetensors: bool = True, seed: int = 0,
-                    gguf_type: str = "Q8_0", config: dict[str, Any] | None = None) -> dict[str, Any]:
+                    gguf_type: str = "Q8_0", kv_b_type: str | None = None,
+                    config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write the tiny GLM-5 model into `out_dir` (created if absent); deterministic for `seed`.
 
     Returns paths: `dir`, `config` (config.json), `tokenizer` (tokenizer.json,
     tokenizer_config.json), `safetensors` (model.safetensors or None) and `gguf` (the shards,
     in order). `gguf_shards=0` writes no GGUF. `gguf_type` is the type of the GGUF's matrices
-    (1-D tensors and the router stay F32, as llama.cpp keeps them).
+    (1-D tensors and the router stay F32, as llama.cpp keeps them); `kv_b_type` that of
+    attn_k_b/attn_v_b (default: `gguf_type`). vLLM's GGUF path needs the experts quantised
+    (its GGUF MoE method takes quantised experts only), so the default is Q8_0.
     """
-    if gguf_type not in GGUF_TYPES:
-        raise ValueError(f"gguf_type {gguf_type!r} is not one of {GGUF_TYPES}")
+    for label, value in (("gguf_type", gguf_type), ("kv_b_type", kv_b_type or gguf_type)):
+        if value not in GGUF_TYPES:
+            raise ValueError(f"{label} {value!r} is not one of {GGUF_TYPES}")
     if gguf_shards < 0:
         raise ValueError(f"gguf_shards must be >= 0, got {gguf_shards}")
     config = dict(config or load_config())
@@ -369,5 +378,6 @@ def write_tiny_glm5(out_dir: str | Path, *, gguf_shards: int = 3, safetensors: b
         paths["safetensors"] = out / "model.safetensors"
         save_file(state, str(paths["safetensors"]), metadata={"format": "pt"})
     if gguf_shards:
-        paths["gguf"] = write_gguf(out, config, gguf_tensors(config, state), tok, shards=gguf_shards, gguf_type=gguf_type)
+        paths["gguf"] = write_gguf(out, config, gguf_tensors(config, state), tok, shards=gguf_shards,
+                                   gguf_type=gguf_type, kv_b_type=kv_b_type)
     return paths
