@@ -159,9 +159,9 @@ def gguf_tensors(config: dict[str, Any], state: dict[str, torch.Tensor]) -> dict
     experts: dict[tuple[int, str], list[torch.Tensor]] = {}
     for hf_name, t in state.items():
         base, suffix = hf_name.rsplit(".", 1)
-        if base.endswith("e_score_correction_bias"):
+        if hf_name.endswith(".e_score_correction_bias"):
             # the router bias is a parameter, not a module: llama.cpp names it exp_probs_b.bias
-            out[gguf_name(base.removesuffix("_bias"), "bias")] = t
+            out[gguf_name(hf_name.removesuffix("_bias"), "bias")] = t
             continue
         parts = base.split(".")
         if ".mlp.experts." in base:

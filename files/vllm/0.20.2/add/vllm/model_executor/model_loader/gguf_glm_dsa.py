@@ -133,8 +133,8 @@ def weights_map(config: Any) -> dict[str, str]:
     mapping: dict[str, str] = {}
     for hf_name in checkpoint_names(config):
         base, suffix = hf_name.rsplit(".", 1)
-        if base.endswith(".e_score_correction_bias"):  # a parameter of the router, llama.cpp's exp_probs_b.bias
-            base, suffix = base.removesuffix("_bias"), "bias"
+        if hf_name.endswith(".e_score_correction_bias"):  # a parameter of the router, llama.cpp's exp_probs_b.bias
+            base, suffix = hf_name.removesuffix("_bias"), "bias"
         gguf_base = tensor_names.get_name(base)
         if gguf_base is None:
             raise RuntimeError(f"the gguf package ({gguf.__name__}) has no GLM-DSA tensor for {hf_name}; "
