@@ -264,12 +264,14 @@ def _write_tokenizer(tok, out_dir: Path) -> list[Path]:
 
 
 def _add_metadata(w: gguf.GGUFWriter, config: dict[str, Any], tok, gguf_type: str) -> None:
-    """GLM-5's hyperparameters under the keys llama.cpp's `glm-dsa` conversion writes."""
+    """GLM-5's hyperparameters under the keys llama.cpp's `glm-dsa` conversion writes (and the
+    tokenizer, when `tok` is given)."""
     heads = config["num_attention_heads"]
     rope, nope = config["qk_rope_head_dim"], config["qk_nope_head_dim"]
     w.add_name(GGUF_NAME)
     w.add_file_type(int(gguf.LlamaFileType[f"MOSTLY_{gguf_type}"]) if gguf_type not in ("F32",) else int(gguf.LlamaFileType.ALL_F32))
-    w.add_block_count(config["num_hidden_layers"])
+    # llama.cpp counts the MTP (nextn) layers as blocks after the main ones
+    w.add_block_count(config["num_hidden_layers"] + config.get("num_nextn_predict_layers", 0))
     w.add_context_length(config["max_position_embeddings"])
     w.add_embedding_length(config["hidden_size"])
     w.add_feed_forward_length(config["intermediate_size"])
@@ -300,6 +302,8 @@ def _add_metadata(w: gguf.GGUFWriter, config: dict[str, Any], tok, gguf_type: st
     w.add_indexer_head_count(config["index_n_heads"])
     w.add_indexer_key_length(config["index_head_dim"])
     w.add_indexer_top_k(config["index_topk"])
+    if tok is None:
+        return
     # tokenizer (llama.cpp's byte-level BPE form)
     vocab = tok.get_vocab()
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]

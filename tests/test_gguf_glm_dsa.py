@@ -69,10 +69,12 @@ def test_kv_b_exact_from_bf16_halves_through_all_shards(glm: ModuleType, config:
     for layer in range(2):
         name = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
         assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], ref[name])
-    # names from every shard came through
+    # every tensor of every shard came through (as itself, its raw bytes, or in kv_b_proj)
+    mapping = glm.weights_map(config)
     for shard in paths["gguf"]:
-        mapped = {glm.weights_map(config)[t.name] for t in gguf.GGUFReader(shard).tensors}
-        assert any(n in got or n.removesuffix(".weight") + ".qweight" in got for n in mapped)
+        for t in gguf.GGUFReader(shard).tensors:
+            name = mapping[t.name]
+            assert name in got or name.removesuffix(".weight") + ".qweight" in got, (shard.name, t.name)
 
 
 def test_quantised_halves_are_dequantised(glm: ModuleType, config: SimpleNamespace, model_q8: dict) -> None:
@@ -122,3 +124,25 @@ def test_config_from_metadata(glm: ModuleType, model_q8: dict) -> None:
         assert got[key] == expected[key], key
     with pytest.raises(ValueError, match="lacks general.architecture"):
         glm.config_dict_from_gguf(model_q8["gguf"][1])  # only the first shard carries the metadata
+
+
+def test_config_of_a_model_with_mtp_layers(glm: ModuleType, tmp_path: Path) -> None:
+    """llama.cpp counts GLM-5's MTP (nextn) layers as blocks: 78 main + 1 MTP = block_count 79."""
+    from mlafleet.tinymodel import _add_metadata
+
+    glm5 = dict(load_config(), num_hidden_layers=78, num_nextn_predict_layers=1, first_k_dense_replace=3,
+                hidden_size=6144, q_lora_rank=2048, n_routed_experts=256, num_experts_per_tok=8,
+                vocab_size=154880, max_position_embeddings=202752)
+    path = tmp_path / "meta-only.gguf"
+    writer = gguf.GGUFWriter(path, "glm-dsa")
+    _add_metadata(writer, glm5, None, "Q8_0")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert gguf.GGUFReader(path).get_field("glm-dsa.block_count").contents() == 79
+    got = glm.config_dict_from_gguf(path)
+    assert got["num_hidden_layers"] == 78 and got["num_nextn_predict_layers"] == 1
+    assert got["mlp_layer_types"] == ["dense"] * 3 + ["sparse"] * 75
+    assert (got["hidden_size"], got["q_lora_rank"], got["n_routed_experts"], got["vocab_size"]) == (6144, 2048, 256, 154880)
+    assert (got["num_attention_heads"], got["kv_lora_rank"], got["qk_nope_head_dim"], got["v_head_dim"]) == (64, 512, 192, 256)

@@ -53,6 +53,13 @@ vc = args.create_engine_config()
 report["config"] = vc.model_config.hf_config.to_dict()
 report["architectures"] = vc.model_config.architectures
 report["quantization"] = vc.model_config.quantization
+# the operator's alternative: the config from --hf-config-path (a directory with config.json)
+hf_config_dir = os.path.join(os.path.dirname(out_path), "hf-config")
+with_path = EngineArgs(model=shard1, tokenizer=model_dir, hf_config_path=hf_config_dir, dtype="bfloat16",
+                       enforce_eager=True, max_model_len=2048, distributed_executor_backend="uni")
+other = with_path.create_model_config()
+report["config_from_path"] = other.hf_config.to_dict()
+report["architectures_from_path"] = other.architectures
 loaded = {}
 original_load = GlmMoeDsaForCausalLM.load_weights
 def spy(self, weights):
@@ -124,6 +131,8 @@ def vllm_run(tmp_path_factory: pytest.TempPathFactory, vllm_python: str) -> dict
     overlay = _overlay(vllm_python, built, work / "overlay")
     paths = write_tiny_glm5(work / "model", gguf_shards=3, gguf_type="Q8_0", kv_b_type="BF16", seed=3)
     (work / "out").mkdir()
+    (work / "out" / "hf-config").mkdir()
+    (work / "out" / "hf-config" / "config.json").write_text(json.dumps(dict(load_config(), max_position_embeddings=4096)))
     script = work / "vllm_side.py"
     script.write_text(VLLM_SIDE)
     env = dict(os.environ, PYTHONPATH=str(overlay), HF_HUB_OFFLINE="1", VLLM_CACHE_ROOT=str(work / "cache"),
@@ -159,6 +168,39 @@ def test_config_comes_from_gguf_metadata(vllm_run: dict) -> None:
         assert got[key] == (pytest.approx(want, rel=1e-6) if isinstance(want, float) else want), key
     assert got["rope_parameters"]["rope_theta"] == expected["rope_parameters"]["rope_theta"]
     assert got["model_type"] == "glm_moe_dsa"
+
+
+def test_config_from_hf_config_path(vllm_run: dict) -> None:
+    got = vllm_run["config_from_path"]
+    assert vllm_run["architectures_from_path"] == ["GlmMoeDsaForCausalLM"]
+    assert got["max_position_embeddings"] == 4096  # the directory's config, not the GGUF metadata's 8192
+    assert got["kv_lora_rank"] == 512 and got["index_n_heads"] == 32
+
+
+def test_every_shard_feeds_the_model(vllm_run: dict) -> None:
+    import importlib.util
+    from types import SimpleNamespace
+
+    import gguf
+
+    module = Path(__file__).resolve().parent.parent / "files/vllm/0.20.2/add/vllm/model_executor/model_loader/gguf_glm_dsa.py"
+    spec = importlib.util.spec_from_file_location("gguf_glm_dsa_map", module)
+    glm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(glm)
+    mapping = glm.weights_map(SimpleNamespace(**load_config()))
+    fused = {"q_a_proj": "fused_qkv_a_proj", "kv_a_proj_with_mqa": "fused_qkv_a_proj", "gate_proj": "gate_up_proj",
+             "up_proj": "gate_up_proj", "indexer.wk": "indexer.wk_weights_proj",
+             "indexer.weights_proj": "indexer.wk_weights_proj"}
+    loaded = set(vllm_run["loaded"])
+    for shard in vllm_run["paths"]["gguf"]:
+        for tensor in gguf.GGUFReader(shard).tensors:
+            name = mapping[tensor.name]
+            for ckpt, vllm_name in fused.items():
+                name = name.replace(f".{ckpt}.", f".{vllm_name}.")
+            name = name.replace("mlp.experts.0.gate_up_proj.weight", "mlp.experts.w13_qweight")
+            name = name.replace("mlp.experts.0.down_proj.weight", "mlp.experts.w2_qweight")
+            candidates = {name, name.removesuffix(".weight") + ".qweight"}
+            assert candidates & loaded, (Path(shard).name, tensor.name, name)
 
 
 def test_every_parameter_of_the_model_is_loaded(vllm_run: dict) -> None:

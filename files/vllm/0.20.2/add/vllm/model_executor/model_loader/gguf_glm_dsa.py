@@ -163,14 +163,12 @@ def _as_float(tensor: Any) -> torch.Tensor:
     if qtype.name in ("F32", "F16"):
         return torch.from_numpy(np.array(tensor.data))
     if qtype.name == "BF16":
-        return torch.from_numpy(np.array(tensor.data).view(np.uint16).astype(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(np.array(tensor.data).view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(gguf.quants.dequantize(np.array(tensor.data), qtype))
 
 
 def _raw(tensor: Any) -> torch.Tensor:
-    """A GGUFReader tensor as vLLM's GGUF path takes it: floats as floats, quantised as raw bytes."""
-    if tensor.tensor_type.name in _UNQUANTISED:
-        return _as_float(tensor)
+    """A quantised GGUFReader tensor as vLLM's GGUF layers take it: its raw bytes (uint8 rows)."""
     return torch.from_numpy(np.array(tensor.data))
 
 
@@ -238,7 +236,9 @@ def weights_iterator(gguf_files: list[str], gguf_to_hf_name_map: dict[str, str],
                 del halves[name]
                 yield name, rebuild_kv_b(pair["k"].float(), pair["v"].float()).to(dtype)
         elif dense(name):
-            yield name, _as_float(t).to(dtype if name.endswith(".weight") else _as_float(t).dtype)
+            value = _as_float(t)
+            # weights in the model's dtype; the router's correction bias stays fp32 as vLLM keeps it
+            yield name, value.to(dtype) if name.endswith(".weight") else value
         elif t.tensor_type.name in _UNQUANTISED:
             yield name, _as_float(t)
         else:
@@ -267,7 +267,9 @@ def config_dict_from_gguf(path: str | os.PathLike[str]) -> dict[str, Any]:
     arch = _field(r, K.General.ARCHITECTURE)
     if arch != GGUF_ARCH:
         raise ValueError(f"{path} is a {arch!r} GGUF, not {GGUF_ARCH!r}")
-    n_layers = _field(r, K.LLM.BLOCK_COUNT)
+    # llama.cpp counts GLM-5's MTP (nextn) layers as blocks after the main ones
+    nextn = _field(r, K.LLM.NEXTN_PREDICT_LAYERS, 0)
+    n_layers = _field(r, K.LLM.BLOCK_COUNT) - nextn
     heads = _field(r, K.Attention.HEAD_COUNT)
     rope = _field(r, K.Rope.DIMENSION_COUNT)
     first_dense = _field(r, K.LLM.LEADING_DENSE_BLOCK_COUNT, 0)
@@ -308,7 +310,7 @@ def config_dict_from_gguf(path: str | os.PathLike[str]) -> dict[str, Any]:
         "norm_topk_prob": bool(_field(r, K.LLM.EXPERT_WEIGHTS_NORM, True)),
         "scoring_func": "sigmoid" if gating == int(gguf.ExpertGatingFuncType.SIGMOID) else "softmax",
         "topk_method": "noaux_tc" if gating == int(gguf.ExpertGatingFuncType.SIGMOID) else "greedy",
-        "num_nextn_predict_layers": _field(r, K.LLM.NEXTN_PREDICT_LAYERS, 0),
+        "num_nextn_predict_layers": nextn,
         "hidden_act": "silu",
         "max_position_embeddings": _field(r, K.LLM.CONTEXT_LENGTH),
         "rope_parameters": {"rope_theta": float(_field(r, K.Rope.FREQ_BASE)), "rope_type": "default"},
