@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -362,26 +365,43 @@ def write_tiny_glm5(out_dir: str | Path, *, gguf_shards: int = 3, safetensors: b
     (1-D tensors and the router stay F32, as llama.cpp keeps them); `kv_b_type` that of
     attn_k_b/attn_v_b (default: `gguf_type`). vLLM's GGUF path needs the experts quantised
     (its GGUF MoE method takes quantised experts only), so the default is Q8_0.
+
+    Everything is written into a staging directory beside `out_dir` first and moved into place
+    at the end: bad arguments or a failed write leave `out_dir` as it was.
     """
     for label, value in (("gguf_type", gguf_type), ("kv_b_type", kv_b_type or gguf_type)):
         if value not in GGUF_TYPES:
             raise ValueError(f"{label} {value!r} is not one of {GGUF_TYPES}")
-    if gguf_shards < 0:
-        raise ValueError(f"gguf_shards must be >= 0, got {gguf_shards}")
     config = dict(config or load_config())
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     state = hf_state_dict(config, seed)
+    tensors = gguf_tensors(config, state)
+    if not 0 <= gguf_shards <= len(tensors):
+        raise ValueError(f"gguf_shards must be between 0 and {len(tensors)} (the GGUF's tensors), got {gguf_shards}")
     tok = build_tokenizer(config["vocab_size"], seed)
-    paths: dict[str, Any] = {"dir": out, "config": out / "config.json", "safetensors": None, "gguf": []}
-    paths["config"].write_text(json.dumps(config, indent=2) + "\n")
-    paths["tokenizer"] = _write_tokenizer(tok, out)
-    if safetensors:
-        from safetensors.torch import save_file
 
-        paths["safetensors"] = out / "model.safetensors"
-        save_file(state, str(paths["safetensors"]), metadata={"format": "pt"})
-    if gguf_shards:
-        paths["gguf"] = write_gguf(out, config, gguf_tensors(config, state), tok, shards=gguf_shards,
-                                   gguf_type=gguf_type, kv_b_type=kv_b_type)
-    return paths
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-staging-"))
+    try:
+        written = [staging / "config.json"]
+        written[0].write_text(json.dumps(config, indent=2) + "\n")
+        written += _write_tokenizer(tok, staging)
+        if safetensors:
+            from safetensors.torch import save_file
+
+            written.append(staging / "model.safetensors")
+            save_file(state, str(written[-1]), metadata={"format": "pt"})
+        shards = write_gguf(staging, config, tensors, tok, shards=gguf_shards, gguf_type=gguf_type,
+                            kv_b_type=kv_b_type) if gguf_shards else []
+        out.mkdir(exist_ok=True)
+        for path in written + shards:
+            os.replace(path, out / path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return {
+        "dir": out,
+        "config": out / "config.json",
+        "tokenizer": [out / "tokenizer.json", out / "tokenizer_config.json"],
+        "safetensors": out / "model.safetensors" if safetensors else None,
+        "gguf": [out / p.name for p in shards],
+    }

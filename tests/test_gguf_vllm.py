@@ -127,7 +127,10 @@ def _overlay(vllm_python: str, built: Path, dest: Path) -> Path:
 def vllm_run(tmp_path_factory: pytest.TempPathFactory, vllm_python: str) -> dict:
     work = tmp_path_factory.mktemp("gguf-vllm")
     built = work / "patchset"
-    patchset.build("0.20.2", built)
+    wheel = patchset.default_cache_dir() / patchset.load_spec("0.20.2").wheel_filename
+    if not wheel.is_file():  # tests never download it
+        pytest.fail(f"{wheel} is missing: run `mlafleet patchset build --vllm 0.20.2` once before the tests")
+    patchset.build("0.20.2", built, wheel=wheel)
     overlay = _overlay(vllm_python, built, work / "overlay")
     paths = write_tiny_glm5(work / "model", gguf_shards=3, gguf_type="Q8_0", kv_b_type="BF16", seed=3)
     (work / "out").mkdir()

@@ -110,7 +110,9 @@ def test_bad_arguments_are_refused(tmp_path: Path) -> None:
         write_tiny_glm5(tmp_path / "x", gguf_type="Q3_K")
     with pytest.raises(ValueError, match="gguf_shards"):
         write_tiny_glm5(tmp_path / "y", gguf_shards=-1)
-    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    with pytest.raises(ValueError, match="gguf_shards"):
+        write_tiny_glm5(tmp_path / "z", gguf_shards=1000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing half-written
 
 
 def test_build_tokenizer_refuses_a_vocab_it_cannot_fill() -> None:
