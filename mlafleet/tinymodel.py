@@ -21,6 +21,7 @@ GGUF, ~210 MB as BF16. Everything is deterministic for a seed.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -233,8 +234,8 @@ def _corpus(seed: int, n_words: int = 60000) -> list[str]:
     return lines + ["The quick brown fox jumps over the lazy dog. Hello, world! 0123456789"]
 
 
-def build_tokenizer(vocab_size: int, seed: int = 0):
-    """A byte-level BPE tokenizer with exactly `vocab_size` tokens (`tokenizers` package)."""
+@functools.lru_cache(maxsize=4)
+def _trained_tokenizer_json(vocab_size: int, seed: int) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -245,7 +246,15 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
     if tok.get_vocab_size() != vocab_size:
         raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens, the config says {vocab_size}")
-    return tok
+    return tok.to_str()
+
+
+def build_tokenizer(vocab_size: int, seed: int = 0):
+    """A byte-level BPE tokenizer with exactly `vocab_size` tokens (`tokenizers` package), trained
+    on `_corpus(seed)`; the training is cached per (vocab_size, seed) within a process."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(_trained_tokenizer_json(vocab_size, seed))
 
 
 def _write_tokenizer(tok, out_dir: Path) -> list[Path]:

@@ -146,3 +146,10 @@ def test_config_of_a_model_with_mtp_layers(glm: ModuleType, tmp_path: Path) -> N
     assert got["mlp_layer_types"] == ["dense"] * 3 + ["sparse"] * 75
     assert (got["hidden_size"], got["q_lora_rank"], got["n_routed_experts"], got["vocab_size"]) == (6144, 2048, 256, 154880)
     assert (got["num_attention_heads"], got["kv_lora_rank"], got["qk_nope_head_dim"], got["v_head_dim"]) == (64, 512, 192, 256)
+
+
+def test_an_old_gguf_package_is_named(glm: ModuleType) -> None:
+    assert glm.glm_dsa_arch() is gguf.MODEL_ARCH.GLM_DSA
+    old = SimpleNamespace(MODEL_ARCH=SimpleNamespace(DEEPSEEK2=1), __file__="/old/gguf/__init__.py")
+    with pytest.raises(RuntimeError, match=r"/old/gguf/__init__.py.*GLM_DSA.*gguf 0.19.0"):
+        glm.glm_dsa_arch(old)

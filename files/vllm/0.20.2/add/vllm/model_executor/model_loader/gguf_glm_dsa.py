@@ -84,6 +84,16 @@ def missing_tensor_names(gguf_files: Iterable[str], gguf_to_hf_name_map: dict[st
 # -- names --------------------------------------------------------------------------------------
 
 
+def glm_dsa_arch(gguf_module: Any = gguf) -> Any:
+    """The `gguf` package's MODEL_ARCH.GLM_DSA, or a clear error when the installed one predates it."""
+    arch = getattr(gguf_module.MODEL_ARCH, "GLM_DSA", None)
+    if arch is None:
+        raise RuntimeError(
+            f"the installed gguf package ({getattr(gguf_module, '__file__', gguf_module)}) does not know "
+            "MODEL_ARCH.GLM_DSA (GLM-5): install gguf 0.19.0 or newer in this environment")
+    return arch
+
+
 def _is_moe_layer(config: Any, layer: int) -> bool:
     return (config.n_routed_experts is not None and layer >= config.first_k_dense_replace
             and layer % getattr(config, "moe_layer_freq", 1) == 0)
@@ -129,7 +139,7 @@ def weights_map(config: Any) -> dict[str, str]:
     `blk.N.attn_k_b.weight` and `blk.N.attn_v_b.weight` both map to
     `model.layers.N.self_attn.kv_b_proj.weight`, which `weights_iterator` rebuilds from the pair.
     """
-    tensor_names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM_DSA, config.num_hidden_layers)
+    tensor_names = gguf.get_tensor_name_map(glm_dsa_arch(), config.num_hidden_layers)
     mapping: dict[str, str] = {}
     for hf_name in checkpoint_names(config):
         base, suffix = hf_name.rsplit(".", 1)
@@ -137,8 +147,7 @@ def weights_map(config: Any) -> dict[str, str]:
             base, suffix = hf_name.removesuffix("_bias"), "bias"
         gguf_base = tensor_names.get_name(base)
         if gguf_base is None:
-            raise RuntimeError(f"the gguf package ({gguf.__name__}) has no GLM-DSA tensor for {hf_name}; "
-                               "it needs a gguf package that knows MODEL_ARCH.GLM_DSA")
+            raise RuntimeError(f"the installed gguf package maps no GLM-DSA tensor to {hf_name}")
         mapping[f"{gguf_base}.{suffix}"] = _vllm_name(hf_name)
     return mapping
 
