@@ -213,7 +213,8 @@ def _encode(tensor: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> np.ndarra
 def _corpus(seed: int, n_words: int = 60000) -> list[str]:
     """Deterministic pseudo-text: syllable words, digits and punctuation (nothing downloaded)."""
     rng = np.random.default_rng(seed)
-    onsets = ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "st", "tr", "ch", "sh", "th"]
+    onsets = ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w",
+              "st", "tr", "ch", "sh", "th"]
     vowels = ["a", "e", "i", "o", "u", "ai", "ou", "ee"]
     codas = ["", "", "n", "r", "s", "t", "l", "ng", "ck"]
     words = []
@@ -281,7 +282,8 @@ def _add_metadata(w: gguf.GGUFWriter, config: dict[str, Any], tok, gguf_type: st
     heads = config["num_attention_heads"]
     rope, nope = config["qk_rope_head_dim"], config["qk_nope_head_dim"]
     w.add_name(GGUF_NAME)
-    w.add_file_type(int(gguf.LlamaFileType[f"MOSTLY_{gguf_type}"]) if gguf_type not in ("F32",) else int(gguf.LlamaFileType.ALL_F32))
+    file_type = gguf.LlamaFileType.ALL_F32 if gguf_type == "F32" else gguf.LlamaFileType[f"MOSTLY_{gguf_type}"]
+    w.add_file_type(int(file_type))
     # llama.cpp counts the MTP (nextn) layers as blocks after the main ones
     w.add_block_count(config["num_hidden_layers"] + config.get("num_nextn_predict_layers", 0))
     w.add_context_length(config["max_position_embeddings"])
@@ -331,6 +333,11 @@ def _add_metadata(w: gguf.GGUFWriter, config: dict[str, Any], tok, gguf_type: st
     w.add_chat_template(CHAT_TEMPLATE)
 
 
+def shard_counts(n_tensors: int) -> list[int]:
+    """Shard counts that split `n_tensors` into shards of ceil(n/k) tensors (the last may be smaller)."""
+    return [k for k in range(1, n_tensors + 1) if math.ceil(n_tensors / math.ceil(n_tensors / k)) == k]
+
+
 def write_gguf(out_dir: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], tok, *,
                shards: int, gguf_type: str, kv_b_type: str | None = None) -> list[Path]:
     """Write `tensors` as `shards` GGUF files `<name>-0000K-of-0000N.gguf`; returns them in order."""
@@ -338,8 +345,9 @@ def write_gguf(out_dir: Path, config: dict[str, Any], tensors: dict[str, torch.T
     for label, value in (("gguf_type", gguf_type), ("kv_b_type", kv_b_type)):
         if value not in GGUF_TYPES:
             raise ValueError(f"{label} {value!r} is not one of {GGUF_TYPES}")
-    if not 1 <= shards <= len(tensors):
-        raise ValueError(f"gguf_shards must be between 1 and {len(tensors)}, got {shards}")
+    if shards not in shard_counts(len(tensors)):
+        raise ValueError(f"{len(tensors)} tensors cannot be split into {shards} shards; "
+                         f"possible: {shard_counts(len(tensors))}")
     per_shard = math.ceil(len(tensors) / shards)
     base = out_dir / f"{GGUF_NAME}.gguf"
     w = gguf.GGUFWriter(base, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GLM_DSA],
@@ -348,7 +356,8 @@ def write_gguf(out_dir: Path, config: dict[str, Any], tensors: dict[str, torch.T
     for name, t in tensors.items():
         qtype = _tensor_type(name, t, gguf_type, kv_b_type)
         data = _encode(t, qtype)
-        w.add_tensor(name, data, raw_dtype=None if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) else qtype)
+        plain = qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+        w.add_tensor(name, data, raw_dtype=None if plain else qtype)
     paths = w.format_shard_names(base) if shards > 1 else [base]
     if len(paths) != shards:
         raise RuntimeError(f"{len(tensors)} tensors split into {len(paths)} shards, not {shards}")
@@ -384,8 +393,9 @@ def write_tiny_glm5(out_dir: str | Path, *, gguf_shards: int = 3, safetensors: b
     config = dict(config or load_config())
     state = hf_state_dict(config, seed)
     tensors = gguf_tensors(config, state)
-    if not 0 <= gguf_shards <= len(tensors):
-        raise ValueError(f"gguf_shards must be between 0 and {len(tensors)} (the GGUF's tensors), got {gguf_shards}")
+    if gguf_shards != 0 and gguf_shards not in shard_counts(len(tensors)):
+        raise ValueError(f"gguf_shards {gguf_shards} is not possible for {len(tensors)} tensors "
+                         f"(shards of equal tensor counts): use 0 or one of {shard_counts(len(tensors))}")
     tok = build_tokenizer(config["vocab_size"], seed)
 
     out = Path(out_dir)

@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mlafleet.tinymodel import (_trained_tokenizer_json, build_tokenizer, hf_state_dict, load_config, split_kv_b,
+from mlafleet.tinymodel import (_trained_tokenizer_json, build_tokenizer, hf_state_dict, load_config,
+                                shard_counts, split_kv_b,
                                 write_tiny_glm5)
 
 
@@ -64,6 +65,10 @@ def test_gguf_shapes_follow_llama_cpp(written: dict) -> None:
     assert tensors["blk.1.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
 
 
+def test_shard_counts() -> None:
+    assert shard_counts(44)[:4] == [1, 2, 3, 4] and 40 not in shard_counts(44) and 44 in shard_counts(44)
+
+
 def test_split_kv_b_per_head() -> None:
     heads, nope, v, lora = 4, 3, 2, 5
     kv_b = torch.arange(heads * (nope + v) * lora, dtype=torch.float32).reshape(heads * (nope + v), lora)
@@ -114,6 +119,8 @@ def test_bad_arguments_are_refused(tmp_path: Path) -> None:
         write_tiny_glm5(tmp_path / "y", gguf_shards=-1)
     with pytest.raises(ValueError, match="gguf_shards"):
         write_tiny_glm5(tmp_path / "z", gguf_shards=1000)
+    with pytest.raises(ValueError, match=r"gguf_shards 40 is not possible for 44 tensors"):
+        write_tiny_glm5(tmp_path / "w", gguf_shards=40)
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing half-written
 
 
