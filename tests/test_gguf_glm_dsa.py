@@ -104,6 +104,9 @@ def test_a_missing_shard_is_an_error(glm: ModuleType, model_q8: dict, tmp_path: 
     with pytest.raises(FileNotFoundError, match=r"split into 3 shards but 1 is missing: .*tiny-glm5-00002-of-00003\.gguf"):
         glm.all_gguf_shards(str(tmp_path / Path(shards[0]).name))
     assert glm.all_gguf_shards(str(tmp_path / "plain.gguf")) == [str(tmp_path / "plain.gguf")]
+    for bad in ("m-00004-of-00003.gguf", "m-00000-of-00003.gguf"):
+        with pytest.raises(ValueError, match="does not name a shard"):
+            glm.all_gguf_shards(str(tmp_path / bad))
 
 
 def test_the_iterator_refuses_an_incomplete_set(glm: ModuleType, config: SimpleNamespace, model_q8: dict) -> None:

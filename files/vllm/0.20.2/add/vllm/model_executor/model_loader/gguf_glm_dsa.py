@@ -11,8 +11,9 @@ Hugging Face checkpoint that vLLM's GlmMoeDsaForCausalLM loads:
 - `kv_b_proj` [heads*(qk_nope+v_head), kv_lora] split per head into `attn_k_b`
   [heads, kv_lora, qk_nope] (transposed) and `attn_v_b` [heads, v_head, kv_lora]; this module
   rebuilds kv_b_proj from the two (dequantised when quantised) in the model's dtype;
-- the hyperparameters in GGUF metadata (`glm-dsa.*`), from which `config_from_gguf` builds the
-  GlmMoeDsaConfig (or the operator gives `--hf-config-path`).
+- the hyperparameters in GGUF metadata (`glm-dsa.*`, in the first shard), from which
+  `maybe_config_from_gguf` builds the GlmMoeDsaConfig (or the operator gives `--hf-config-path`).
+  The tokenizer is not read from the GGUF: serve with `--tokenizer` (GLM-5's tokenizer files).
 
 Split GGUFs must be complete: `all_gguf_shards` refuses a set with a missing shard (vLLM's own
 discovery would skip it and leave weights uninitialised).
@@ -53,7 +54,7 @@ def all_gguf_shards(model_path: str) -> list[str]:
         return [model_path]
     total = int(match.group(2))
     width = len(match.group(1))
-    if total < 1 or int(match.group(1)) > total:
+    if not 1 <= int(match.group(1)) <= total:
         raise ValueError(f"GGUF shard name {model_path!r} does not name a shard of a split model")
     prefix, suffix = model_path[: match.start(1)], model_path[match.end(2):]
     shards = [f"{prefix}{i:0{width}d}-of-{match.group(2)}{suffix}" for i in range(1, total + 1)]
