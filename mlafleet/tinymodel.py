@@ -15,8 +15,10 @@ It is written in two forms that hold the same numbers:
   `attn_v_b` (the remaining v_head rows, [heads, v_head, kv_lora_rank]).
 
 Sizes: the attention geometry alone is ~40M parameters per layer (kv_b_proj 28672 x 512,
-q_b_proj 16384 x 512, o_proj 1024 x 16384), so the model is ~104M parameters: ~110 MB as Q8_0
-GGUF, ~210 MB as BF16. Everything is deterministic for a seed.
+q_b_proj 16384 x 512, o_proj 1024 x 16384), so the model is ~104M parameters: ~120 MB as Q8_0
+GGUF (~138 MB with attn_k_b/attn_v_b kept BF16), ~208 MB as safetensors. A few MB is not possible
+without shrinking GLM-5's attention geometry, which the model exists to keep. Everything is
+deterministic for a seed.
 """
 
 from __future__ import annotations
