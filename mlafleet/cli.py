@@ -13,6 +13,7 @@ import sys
 
 COMMANDS: dict[str, str] = {
     "lab": "mlafleet.lab",
+    "weights": "mlafleet.weights",
 }
 
 
