@@ -199,6 +199,8 @@ def merge(dest: str, shards: list[str], output: str, check_mode: bool = False) -
         raise MergeError(f"{output}: a merged file must not be named like a shard (vLLM would look for siblings)")
     paths = [os.path.join(dest, name) for name in shards]
     missing = [p for p in paths if not os.path.isfile(p)]
+    if missing and check_mode:
+        return {"changed": True, "output": output, "missing": missing}  # staging would bring them
     if missing:
         raise MergeError(f"cannot merge: missing shards {missing[:8]}")
     headers = [read_header(p) for p in paths]
