@@ -14,14 +14,13 @@ import subprocess
 import sys
 import textwrap
 import time
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
-from weights_support import mirror, write_model
+from weights_support import TOKEN, HubHandler, hub, mirror, write_model
 
 from mlafleet import weights
-from mlafleet.weights_mirror import MirrorHandler, MirrorServer
+from mlafleet.weights_mirror import MirrorHandler
 
 host = weights.stager()
 REPO = Path(__file__).resolve().parent.parent
@@ -281,27 +280,6 @@ def test_unreachable_peer_fails_with_its_name(model, tmp_path: Path) -> None:
         host.stage(str(tmp_path / "dest"), shards, [peer], retries=0)
 
 
-TOKEN = "hf_SeCrEtToKeN0123456789"
-
-
-class HubHandler(BaseHTTPRequestHandler):
-    """A hub: checks the bearer token, then redirects to a CDN on another host:port."""
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-    def do_GET(self) -> None:  # noqa: N802
-        self.server.seen.append((self.path, self.headers.get("Authorization")))
-        if self.headers.get("Authorization") != f"Bearer {TOKEN}":
-            self.send_error(401, "bad token")
-            return
-        name = self.path.rsplit("/", 1)[1]
-        self.send_response(302)
-        self.send_header("Location", f"{self.server.cdn}/{name}")
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-
 def test_hub_request_carries_the_token_only_to_the_hub(model, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture) -> None:
     origin, _, shards = model
@@ -311,33 +289,24 @@ def test_hub_request_carries_the_token_only_to_the_hub(model, tmp_path: Path,
     assert request.get_header("Authorization") == f"Bearer {TOKEN}"
     assert TOKEN not in source.label
 
-    import threading
-    with mirror(origin) as cdn:
-        hub = MirrorServer(str(origin), ("127.0.0.1", 0), handler=HubHandler)
-        hub.seen, hub.cdn = [], cdn.url
-        thread = threading.Thread(target=hub.serve_forever, daemon=True)
-        thread.start()
-        try:
-            token_file = tmp_path / "token"
-            token_file.write_text(TOKEN + "\n")
-            code = weights.main(["weights", "stage", "--manifest", str(tmp_path / "manifest.json"),
-                                 "--dest", str(tmp_path / "dest"), "--from-hub", "zai-org/GLM-5-GGUF",
-                                 "--hub-endpoint", hub.url, "--token-file", str(token_file), "--reserve-mb", "0"])
-            assert code == 0
-            assert [path for path, _ in hub.seen] == [f"/zai-org/GLM-5-GGUF/resolve/main/{s.name}" for s in shards]
-            assert all(auth == f"Bearer {TOKEN}" for _, auth in hub.seen)
-            cdn_gets = [line for line in cdn.requests if " GET " in line]
-            assert len(cdn_gets) == 3 and all(" auth=no " in line for line in cdn_gets)
-            assert_staged(tmp_path / "dest", origin, shards)
+    with mirror(origin) as cdn, hub(cdn.url) as hub_server:
+        token_file = tmp_path / "token"
+        token_file.write_text(TOKEN + "\n")
+        code = weights.main(["weights", "stage", "--manifest", str(tmp_path / "manifest.json"),
+                             "--dest", str(tmp_path / "dest"), "--from-hub", "zai-org/GLM-5-GGUF",
+                             "--hub-endpoint", hub_server.url, "--token-file", str(token_file), "--reserve-mb", "0"])
+        assert code == 0
+        assert [path for path, _ in hub_server.seen] == [f"/zai-org/GLM-5-GGUF/resolve/main/{s.name}" for s in shards]
+        assert all(auth == f"Bearer {TOKEN}" for _, auth in hub_server.seen)
+        cdn_gets = [line for line in cdn.requests if " GET " in line]
+        assert len(cdn_gets) == 3 and all(" auth=no " in line for line in cdn_gets)
+        assert_staged(tmp_path / "dest", origin, shards)
 
-            token_file.write_text("hf_wrong_" + TOKEN)
-            code = weights.main(["weights", "stage", "--manifest", str(tmp_path / "manifest.json"),
-                                 "--dest", str(tmp_path / "dest2"), "--from-hub", "zai-org/GLM-5-GGUF",
-                                 "--hub-endpoint", hub.url, "--token-file", str(token_file), "--retries", "0"])
-            assert code == 2
-        finally:
-            hub.shutdown()
-            hub.server_close()
+        token_file.write_text("hf_wrong_" + TOKEN)
+        code = weights.main(["weights", "stage", "--manifest", str(tmp_path / "manifest.json"),
+                             "--dest", str(tmp_path / "dest2"), "--from-hub", "zai-org/GLM-5-GGUF",
+                             "--hub-endpoint", hub_server.url, "--token-file", str(token_file), "--retries", "0"])
+        assert code == 2
     out = capsys.readouterr()
     assert "HTTP 401" in out.err
     assert TOKEN not in out.out + out.err

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Iterator
 
@@ -72,6 +73,42 @@ def mirror(root: Path, rate: float = 0.0, handler: type[MirrorHandler] = MirrorH
            log_path: str = "") -> Iterator[CountingServer]:
     """A real HTTP server on 127.0.0.1 (an ephemeral port), serving `root`, for the `with` block."""
     server = CountingServer(str(root), ("127.0.0.1", 0), rate=rate, log_path=log_path, handler=handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+TOKEN = "hf_SeCrEtToKeN0123456789"
+
+
+class HubHandler(BaseHTTPRequestHandler):
+    """A hub: checks the bearer token, then redirects to a CDN on another host:port (`server.cdn`)."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802
+        self.server.seen.append((self.path, self.headers.get("Authorization")))
+        if self.headers.get("Authorization") != f"Bearer {TOKEN}":
+            self.send_error(401, "bad token")
+            return
+        name = self.path.rsplit("/", 1)[1]
+        self.send_response(302)
+        self.send_header("Location", f"{self.server.cdn}/{name}")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
+@contextlib.contextmanager
+def hub(cdn_url: str) -> Iterator[MirrorServer]:
+    """A fake model hub on 127.0.0.1 that wants TOKEN and redirects downloads to `cdn_url`."""
+    server = MirrorServer(".", ("127.0.0.1", 0), handler=HubHandler)
+    server.seen, server.cdn = [], cdn_url
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
