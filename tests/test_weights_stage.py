@@ -366,3 +366,71 @@ def test_sha256_matches_hashlib(tmp_path: Path) -> None:
     path = tmp_path / "blob"
     path.write_bytes(os.urandom(3 << 20))
     assert host.sha256_file(str(path)) == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+RRSYNC_SSH = """\
+#!/bin/sh
+# Stands in for ssh to a peer whose authorized_keys forces `rrsync -ro DIR` (what the role installs).
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -l|-p|-o|-i) shift 2 ;;
+    -*) shift ;;
+    *) break ;;
+  esac
+done
+shift
+SSH_ORIGINAL_COMMAND="$*" exec /usr/bin/rrsync -ro "{root}"
+"""
+
+
+def test_peer_restricted_to_read_only_rsync_of_the_shard_dir(model, tmp_path: Path) -> None:
+    origin, _, shards = model
+    fake = tmp_path / "rrsync-ssh"
+    fake.write_text(RRSYNC_SSH.format(root=origin))
+    fake.chmod(0o755)
+    (tmp_path / "secret").write_text("outside the shard directory")
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / (shards[0].name + ".partial")).write_bytes((origin / shards[0].name).read_bytes()[:12345])
+    result = host.stage(str(dest), shards, [host.PeerSource("peer-1", rsh=str(fake))])  # names relative
+    assert result["present"] == 3
+    assert_staged(dest, origin, shards)
+    escape = host.PeerSource("peer-1", path="..", rsh=str(fake))
+    with pytest.raises(host.StageError, match="rsync from peer-1 failed"):
+        escape.fetch(host.Shard("secret", 27, "0" * 64), str(tmp_path / "stolen"))
+    assert not (tmp_path / "stolen").exists()
+
+
+def test_a_server_that_ignores_range_restarts_the_shard(model, tmp_path: Path) -> None:
+    """Python's own http.server answers a Range request with 200 and the whole file."""
+    import functools
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    origin, _, shards = model
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / (shards[0].name + ".partial")).write_bytes(b"\x00" * 70_000)  # wrong bytes: must not be kept
+    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(origin))
+    handler.log_message = lambda *a: None
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        result = host.stage(str(dest), shards, [host.HttpSource(f"http://127.0.0.1:{server.server_address[1]}")])
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result["corrupt_downloads"] == 0
+    assert_staged(dest, origin, shards)
+
+
+def test_a_partial_longer_than_the_shard_is_started_over(model, tmp_path: Path) -> None:
+    origin, _, shards = model
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / (shards[2].name + ".partial")).write_bytes(b"\xff" * (shards[2].size + 10))
+    with mirror(origin) as server:
+        host.stage(str(dest), shards, [host.HttpSource(server.url)])
+        assert server.ranges(shards[2].name) == ["-"]
+    assert_staged(dest, origin, shards)
