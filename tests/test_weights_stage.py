@@ -434,3 +434,15 @@ def test_a_partial_longer_than_the_shard_is_started_over(model, tmp_path: Path) 
         host.stage(str(dest), shards, [host.HttpSource(server.url)])
         assert server.ranges(shards[2].name) == ["-"]
     assert_staged(dest, origin, shards)
+
+
+def test_full_verify_of_an_intact_directory_changes_nothing(model, tmp_path: Path) -> None:
+    origin, _, shards = model
+    dest = tmp_path / "dest"
+    host.stage(str(dest), shards, [host.PathSource(str(origin))])
+    result = host.stage(str(dest), shards, [], verify="full")
+    assert not result["changed"] and result["ready"] == [s.name for s in shards]
+    (dest / ".mlafleet-stamps" / (shards[0].name + ".json")).unlink()
+    result = host.stage(str(dest), shards, [])  # an intact shard without its stamp: hashed once, stamped
+    assert result["changed"] and result["restamped"] == [shards[0].name] and result["fetched"] == []
+    assert host.stage(str(dest), shards, [])["changed"] is False

@@ -384,11 +384,12 @@ def make_plan(dest: str, shards: list[Shard], verify: str = "stamp") -> Plan:
     for shard in shards:
         final = os.path.join(dest, shard.name)
         if os.path.exists(final):
-            if verify == "stamp" and stamp_matches(dest, shard):
+            stamped = stamp_matches(dest, shard)
+            if stamped and verify == "stamp":
                 plan.ready.append(shard)
                 continue
             if os.path.getsize(final) == shard.size and sha256_file(final) == shard.sha256:
-                plan.restamp.append(shard)
+                (plan.ready if stamped else plan.restamp).append(shard)
                 continue
             plan.corrupt.append(shard.name)
         partial = final + ".partial"
