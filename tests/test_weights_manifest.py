@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import importlib
 import io
 import json
 import shutil
@@ -144,7 +142,5 @@ def test_load_manifest_refuses_an_incomplete_shard_list(tmp_path: Path) -> None:
 
 def test_registered_with_the_cli() -> None:
     assert cli.COMMANDS["weights"] == "mlafleet.weights"
-    parser = argparse.ArgumentParser()
-    importlib.import_module(cli.COMMANDS["weights"]).register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["weights", "verify", "--manifest", "m.json", "/models/x"])
+    args = cli.build_parser().parse_args(["weights", "verify", "--manifest", "m.json", "/models/x"])
     assert args.func.__name__ == "cmd_verify" and args.dest == "/models/x"
