@@ -446,3 +446,21 @@ def test_full_verify_of_an_intact_directory_changes_nothing(model, tmp_path: Pat
     result = host.stage(str(dest), shards, [])  # an intact shard without its stamp: hashed once, stamped
     assert result["changed"] and result["restamped"] == [shards[0].name] and result["fetched"] == []
     assert host.stage(str(dest), shards, [])["changed"] is False
+
+
+def test_http_and_path_downloads_are_hashed_on_the_way_in(model, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """No second read of a 40 GB shard after its download: the sha256 is computed as bytes arrive."""
+    origin, _, shards = model
+
+    def no_rereading(path: str) -> str:
+        raise AssertionError(f"re-read {path} to hash it")
+
+    monkeypatch.setattr(host, "sha256_file", no_rereading)
+    (tmp_path / "d1").mkdir()
+    (tmp_path / "d1" / (shards[0].name + ".partial")).write_bytes((origin / shards[0].name).read_bytes()[:77_777])
+    with mirror(origin) as server:
+        assert host.stage(str(tmp_path / "d1"), shards, [host.HttpSource(server.url)])["present"] == 3
+    assert host.stage(str(tmp_path / "d2"), shards, [host.PathSource(str(origin))])["present"] == 3
+    assert_staged(tmp_path / "d1", origin, shards)
+    assert_staged(tmp_path / "d2", origin, shards)

@@ -170,8 +170,11 @@ def write_stamp(dest: str, shard: Shard, source: str) -> None:
 class Source(Protocol):
     label: str
 
-    def fetch(self, shard: Shard, partial: str) -> None:
-        """Make `partial` hold the shard's `size` bytes, resuming from its current length."""
+    def fetch(self, shard: Shard, partial: str) -> str | None:
+        """Make `partial` hold the shard's `size` bytes, resuming from its current length.
+
+        Returns the sha256 of the bytes when it was computed on the way in, else None.
+        """
 
 
 def redact(text: str, secrets: list[str]) -> str:
@@ -191,6 +194,17 @@ class _SameOriginAuthRedirect(urllib.request.HTTPRedirectHandler):
                 del new.headers[key]
             new.unredirected_hdrs.pop("Authorization", None)
         return new
+
+
+def hash_prefix(path: str, length: int) -> "hashlib._Hash":
+    """A sha256 object fed with the first `length` bytes of `path` (what a resumed download keeps)."""
+    digest = hashlib.sha256()
+    if length:
+        with open(path, "rb") as handle:
+            while length and (chunk := handle.read(min(CHUNK, length))):
+                digest.update(chunk)
+                length -= len(chunk)
+    return digest
 
 
 def _truncate(path: str, size: int) -> None:
@@ -221,13 +235,13 @@ class HttpSource:
             headers["Range"] = f"bytes={offset}-"
         return urllib.request.Request(self.url(name), headers=headers)
 
-    def fetch(self, shard: Shard, partial: str) -> None:
+    def fetch(self, shard: Shard, partial: str) -> str | None:
         have = os.path.getsize(partial) if os.path.exists(partial) else 0
         if have > shard.size:
             _truncate(partial, 0)
             have = 0
         if have == shard.size:
-            return
+            return None
         opener = urllib.request.build_opener(_SameOriginAuthRedirect())
         request = self.request(shard.name, have)
         try:
@@ -247,6 +261,7 @@ class HttpSource:
                 have = 0  # the server ignored the range: start over
             else:
                 raise StageError(f"{self.url(shard.name)}: unexpected HTTP {response.status}")
+            digest = hash_prefix(partial, have)  # hashed on the way in: no second read of the shard
             with open(partial, "r+b" if os.path.exists(partial) else "wb") as out:
                 out.truncate(have)
                 out.seek(have)
@@ -255,8 +270,10 @@ class HttpSource:
                     if have > shard.size:
                         raise StageError(f"{self.url(shard.name)}: more than the manifest's {shard.size} bytes")
                     out.write(chunk)
+                    digest.update(chunk)
         if have != shard.size:
             raise StageError(f"{self.url(shard.name)}: connection ended at byte {have} of {shard.size}")
+        return digest.hexdigest()
 
 
 def hub_source(endpoint: str, repo: str, revision: str, token: str, timeout: float = 60.0) -> HttpSource:
@@ -278,7 +295,7 @@ class PathSource:
     def __post_init__(self) -> None:
         self.label = self.label or f"path:{self.root}"
 
-    def fetch(self, shard: Shard, partial: str) -> None:
+    def fetch(self, shard: Shard, partial: str) -> str | None:
         src = os.path.join(self.root, shard.name)
         try:
             size = os.path.getsize(src)
@@ -289,12 +306,15 @@ class PathSource:
         have = os.path.getsize(partial) if os.path.exists(partial) else 0
         if have > size:
             have = 0
+        digest = hash_prefix(partial, have)
         with open(src, "rb") as inp, open(partial, "r+b" if os.path.exists(partial) else "wb") as out:
             out.truncate(have)
             inp.seek(have)
             out.seek(have)
             while chunk := inp.read(CHUNK):
                 out.write(chunk)
+                digest.update(chunk)
+        return digest.hexdigest()
 
 
 @dataclass
@@ -335,7 +355,7 @@ class PeerSource:
         return ["rsync", "--append", f"--timeout={self.timeout}", "-e", self.remote_shell(),
                 f"{self.user}@{self.host}:{remote}", partial]
 
-    def fetch(self, shard: Shard, partial: str) -> None:
+    def fetch(self, shard: Shard, partial: str) -> str | None:
         if os.path.exists(partial) and os.path.getsize(partial) > shard.size:
             _truncate(partial, 0)
         try:
@@ -345,6 +365,7 @@ class PeerSource:
         if done.returncode != 0:
             raise StageError(f"rsync from {self.host} failed ({done.returncode}): "
                              f"{done.stderr.strip()[-400:]}")
+        return None  # rsync wrote the bytes: the caller hashes the file
 
 
 def make_source(spec: dict, timeout: float = 60.0) -> Source:
@@ -447,13 +468,13 @@ def fetch_shard(dest: str, shard: Shard, sources: list[Source], retries: int, lo
     for source in sources:
         for attempt in range(retries + 1):
             try:
-                source.fetch(shard, partial)
+                streamed = source.fetch(shard, partial)
             except StageError as err:
                 errors.append(f"{source.label} (attempt {attempt + 1}): {err}")
                 log(f"{shard.name}: {err}")
                 continue
             size = os.path.getsize(partial)
-            digest = sha256_file(partial) if size == shard.size else ""
+            digest = (streamed or sha256_file(partial)) if size == shard.size else ""
             if digest != shard.sha256:
                 corrupt += 1
                 errors.append(f"{source.label} (attempt {attempt + 1}): got {size} bytes with sha256 "
