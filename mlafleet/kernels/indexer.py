@@ -1,0 +1,454 @@
+"""DeepGEMM-free kernels for the DSA indexer (GLM-5, DeepSeek-V3.2): MQA logits and per-row top-k.
+
+The indexer scores every (query token, cache position) pair with a small multi-head dot
+product and keeps each query's `topk` best positions. vLLM 0.20.2 computes the scores with
+DeepGEMM (`fp8_fp4_mqa_logits` for prefill, `fp8_fp4_paged_mqa_logits` for decode), which
+runs on SM90/SM100 only. The Triton kernels here compute the same thing on any GPU Triton
+targets (SM89 and newer: fp8 tensor-core dots), sized to fit SM120's 99 KB of shared memory.
+
+The function, for query token m and key position n:
+
+    logits[m, n] = k_scale[n] * sum_h weights[m, h] * relu(q[m, h, :] . k[n, :])
+
+with q and k float8_e4m3fn, k_scale float32 (x = fp8 * scale per key token), weights float32
+(vLLM folds the query's quantisation scale and the softmax scale into them). Only positions
+inside each query's key range are defined; with `clean_logits=True` every other position of
+the output is -inf, with `clean_logits=False` (what vLLM asks for) the rest of the output is
+left as it was allocated, and the top-k that follows reads only the range.
+
+Paged decode reads keys through a block table from the indexer's K cache. A cache block of
+`block_size` tokens is `block_size * (D + 4)` bytes: first the `block_size * D` fp8 values
+(token-major, D per token), then `block_size` float32 scales. Tensors of vLLM's shape
+`[num_blocks, block_size, D + 4]` (or `[..., 1, D + 4]`) therefore hold 132 bytes per token
+for D = 128, but the scale of token t of a block is NOT at bytes 128..131 of row t.
+
+`top_k_per_row` picks each row's `topk` largest logits inside [start, end) and writes their
+positions relative to `start`, -1 where the range holds fewer than `topk` positions, like
+vLLM's `top_k_per_row_prefill`/`top_k_per_row_decode` (the order inside a row is not part of
+the contract). It uses torch.topk, which runs on every CUDA architecture.
+
+Readable float64 references (`*_reference`) sit beside each fast path; the tests compare them.
+This module imports only torch and triton.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+FP8 = torch.float8_e4m3fn
+NEG_INF = float("-inf")
+
+# Tile sizes. Shared memory for the prefill kernel: a [ROWS, D] fp8 query tile, two stages
+# of a [BLOCK_N, D] fp8 key tile, plus the layout conversion of the head reduction; the
+# sm_120 resource test in tests/kernels/ checks every config below 101376 bytes.
+PREFILL_BLOCK_N = 64
+PREFILL_ROWS = 64  # query tokens per program * padded heads (at least one token)
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _default_splits(device: torch.device, programs: int, blocks: int) -> int:
+    """How many programs share one row block's keys: enough programs to fill the GPU."""
+    if device.type != "cuda":
+        return max(1, min(blocks, 2))
+    target = 4 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(blocks, triton.cdiv(target, max(programs, 1))))
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+# ----------------------------------------------------------------------------------------------
+# Prefill: MQA logits over a contiguous K with a [ks, ke) key range per query token.
+# ----------------------------------------------------------------------------------------------
+
+
+def mqa_logits_reference(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
+                         weights: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor) -> torch.Tensor:
+    """float64 reference: [M, N] float32, -inf outside each row's [ks, ke)."""
+    qf = q.to(torch.float64)                                   # [M, H, D]
+    kf = k.to(torch.float64)                                   # [N, D]
+    scores = torch.einsum("mhd,nd->mhn", qf, kf).clamp_min(0)  # relu
+    logits = (scores * weights.to(torch.float64)[:, :, None]).sum(dim=1)
+    logits = logits * k_scale.to(torch.float64)[None, :]
+    n = torch.arange(k.shape[0], device=q.device)[None, :]
+    inside = (n >= ks.long()[:, None]) & (n < ke.long()[:, None])
+    return logits.masked_fill(~inside, NEG_INF).to(torch.float32)
+
+
+@triton.jit
+def _mqa_logits_kernel(
+    q_ptr, k_ptr, ks_ptr, ke_ptr, scale_ptr, w_ptr, out_ptr,
+    M, N, H,
+    stride_qm, stride_qh, stride_qd,
+    stride_kn, stride_kd,
+    stride_wm, stride_wh,
+    stride_om, stride_on,
+    stride_scale,
+    SPLIT,
+    BLOCK_M: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    CLEAN: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    ROWS: tl.constexpr = BLOCK_M * HP
+
+    # Rows of the query tile: token-major, heads padded to HP (padded heads get weight 0).
+    r = tl.arange(0, ROWS)
+    tok = pid_m * BLOCK_M + r // HP
+    head = r % HP
+    row_ok = (tok < M) & (head < H)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + tok.to(tl.int64)[:, None] * stride_qm + head[:, None] * stride_qh
+                + d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
+    w = tl.load(w_ptr + tok.to(tl.int64) * stride_wm + head * stride_wh, mask=row_ok, other=0.0)
+
+    # Key range of each token of the block, and the union of them.
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    ks = tl.load(ks_ptr + m, mask=m_ok, other=0)
+    ke = tl.load(ke_ptr + m, mask=m_ok, other=0)
+    ke = tl.minimum(ke, N)
+    lo = tl.min(tl.where(m_ok & (ks < ke), ks, N), axis=0)
+    hi = tl.max(tl.where(m_ok & (ks < ke), ke, 0), axis=0)
+
+    num_blocks = tl.cdiv(N, BLOCK_N)
+    if not CLEAN:
+        num_blocks = tl.cdiv(hi, BLOCK_N)
+    out_rows = out_ptr + m.to(tl.int64)[:, None] * stride_om
+    for blk in range(pid_s, num_blocks, SPLIT):
+        n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        inside = (n[None, :] >= ks[:, None]) & (n[None, :] < ke[:, None])
+        dest = out_rows + n.to(tl.int64)[None, :] * stride_on
+        if (blk * BLOCK_N < hi) & (blk * BLOCK_N + BLOCK_N > lo):
+            kt = tl.load(k_ptr + n.to(tl.int64)[:, None] * stride_kn + d[None, :] * stride_kd,
+                         mask=n_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(kt), out_dtype=tl.float32)          # [ROWS, BLOCK_N]
+            s = tl.maximum(s, 0.0) * w[:, None]
+            logit = tl.sum(tl.reshape(s, (BLOCK_M, HP, BLOCK_N)), axis=1)  # [BLOCK_M, BLOCK_N]
+            ksc = tl.load(scale_ptr + n.to(tl.int64) * stride_scale, mask=n_ok, other=0.0)
+            logit = logit * ksc[None, :]
+            if CLEAN:
+                tl.store(dest, tl.where(inside, logit, float("-inf")),
+                         mask=m_ok[:, None] & n_ok[None, :])
+            else:
+                tl.store(dest, logit, mask=m_ok[:, None] & inside)
+        else:
+            if CLEAN:
+                tl.store(dest, tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32),
+                         mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _prefill_block_m(h_padded: int) -> int:
+    return max(1, PREFILL_ROWS // h_padded)
+
+
+def mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, weights: torch.Tensor,
+               ks: torch.Tensor, ke: torch.Tensor, clean_logits: bool = False,
+               num_splits: int | None = None) -> torch.Tensor:
+    """MQA logits for prefill, what DeepGEMM's `fp8_fp4_mqa_logits` computes on FP8 inputs.
+
+    q [M, H, D] float8_e4m3fn; k [N, D] float8_e4m3fn; k_scale [N] float32; weights [M, H]
+    float32; ks, ke [M] int32: query m scores keys [ks[m], ke[m]). Returns [M, N] float32.
+    """
+    _check(q.dim() == 3, f"mqa_logits: q must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
+    M, H, D = q.shape
+    _check(q.dtype == FP8 and k.dtype == FP8,
+           f"mqa_logits: q and k must be float8_e4m3fn, got {q.dtype} and {k.dtype}")
+    _check(k.dim() == 2 and k.shape[1] == D,
+           f"mqa_logits: k must be [keys, {D}], got shape {tuple(k.shape)}")
+    N = k.shape[0]
+    _check(k_scale.shape == (N,) and k_scale.dtype == torch.float32,
+           f"mqa_logits: k_scale must be float32 [{N}], got {k_scale.dtype} {tuple(k_scale.shape)}")
+    _check(weights.shape == (M, H) and weights.dtype == torch.float32,
+           f"mqa_logits: weights must be float32 [{M}, {H}], got {weights.dtype} {tuple(weights.shape)}")
+    for name, t in (("ks", ks), ("ke", ke)):
+        _check(t.shape == (M,) and t.dtype == torch.int32,
+               f"mqa_logits: {name} must be int32 [{M}], got {t.dtype} {tuple(t.shape)}")
+    _check(D == triton.next_power_of_2(D) and D >= 16,
+           f"mqa_logits: head_dim must be a power of two >= 16, got {D}")
+    devices = {t.device for t in (q, k, k_scale, weights, ks, ke)}
+    _check(len(devices) == 1, f"mqa_logits: all inputs must be on one device, got {devices}")
+
+    logits = torch.empty((M, N), dtype=torch.float32, device=q.device)
+    if M == 0 or N == 0:
+        return logits
+    hp = triton.next_power_of_2(H)
+    block_m = _prefill_block_m(hp)
+    programs = triton.cdiv(M, block_m)
+    splits = num_splits or _default_splits(q.device, programs, triton.cdiv(N, PREFILL_BLOCK_N))
+    _mqa_logits_kernel[(programs, splits)](
+        q, k, ks, ke, k_scale, weights, logits,
+        M, N, H,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1),
+        weights.stride(0), weights.stride(1),
+        logits.stride(0), logits.stride(1),
+        k_scale.stride(0),
+        splits,
+        BLOCK_M=block_m, HP=hp, D=D, BLOCK_N=PREFILL_BLOCK_N,
+        CLEAN=clean_logits,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    return logits
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode: MQA logits over the paged indexer K cache.
+# ----------------------------------------------------------------------------------------------
+
+
+def split_kv_cache(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer cache's fp8 values [num_blocks, block_size, D] and float32 scales
+    [num_blocks, block_size], read the plain way (for references and tests)."""
+    num_blocks, block_size = kv_cache.shape[0], kv_cache.shape[1]
+    flat = kv_cache.reshape(num_blocks, block_size, -1).flatten(1)   # [blocks, block_size * (D + 4)]
+    values = flat[:, : block_size * head_dim].view(FP8).reshape(num_blocks, block_size, head_dim)
+    scales = flat[:, block_size * head_dim:].contiguous().view(torch.float32)
+    return values, scales
+
+
+def paged_mqa_logits_reference(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
+                               context_lens: torch.Tensor, block_table: torch.Tensor,
+                               max_model_len: int) -> torch.Tensor:
+    """float64 reference: [B * next_n, max_model_len] float32, -inf past each row's context."""
+    B, next_n, H, D = q.shape
+    values, scales = split_kv_cache(kv_cache, D)
+    block_size = values.shape[1]
+    ctx = _per_token_context_lens(context_lens, B, next_n)
+    out = torch.full((B * next_n, max_model_len), NEG_INF, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        for j in range(next_n):
+            length = int(ctx[b, j])
+            if length <= 0:
+                continue
+            pos = torch.arange(length, device=q.device)
+            phys = block_table[b, pos // block_size].long()
+            keys = values[phys, pos % block_size].to(torch.float64)       # [L, D]
+            ksc = scales[phys, pos % block_size].to(torch.float64)        # [L]
+            s = (q[b, j].to(torch.float64) @ keys.T).clamp_min(0)         # [H, L]
+            row = (s * weights[b * next_n + j].to(torch.float64)[:, None]).sum(0) * ksc
+            out[b * next_n + j, :length] = row.to(torch.float32)
+    return out
+
+
+def _per_token_context_lens(context_lens: torch.Tensor, batch: int, next_n: int) -> torch.Tensor:
+    """[B, next_n] context length of each query token: 2D as given, or from 1D per-request
+    lengths L as L - next_n + j + 1 (token j of the request's last next_n)."""
+    if context_lens.dim() == 2:
+        return context_lens
+    j = torch.arange(next_n, device=context_lens.device, dtype=context_lens.dtype)
+    return context_lens[:, None] - next_n + j[None, :] + 1
+
+
+@triton.jit
+def _paged_mqa_logits_kernel(
+    q_ptr, values_ptr, scales_ptr, w_ptr, ctx_ptr, bt_ptr, out_ptr,
+    H, NEXT_N, MAX_LEN, SCALE_OFF,
+    stride_qb, stride_qn, stride_qh, stride_qd,
+    stride_vblk, stride_sblk,
+    stride_wm, stride_wh,
+    stride_cb, stride_cn,
+    stride_btb,
+    stride_om,
+    SPLIT,
+    NP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    CTX_2D: tl.constexpr, CLEAN: tl.constexpr,
+):
+    b = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    ROWS: tl.constexpr = NP * HP
+
+    r = tl.arange(0, ROWS)
+    j_of_row = r // HP
+    head = r % HP
+    row_ok = (j_of_row < NEXT_N) & (head < H)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + j_of_row[:, None] * stride_qn
+                + head[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=row_ok[:, None], other=0.0)
+    token = b.to(tl.int64) * NEXT_N + j_of_row
+    w = tl.load(w_ptr + token * stride_wm + head * stride_wh, mask=row_ok, other=0.0)
+
+    j = tl.arange(0, NP)
+    j_ok = j < NEXT_N
+    if CTX_2D:
+        ctx = tl.load(ctx_ptr + b * stride_cb + j * stride_cn, mask=j_ok, other=0)
+    else:
+        ctx = tl.load(ctx_ptr + b * stride_cb) - NEXT_N + j + 1
+    ctx = tl.minimum(tl.where(j_ok, ctx, 0), MAX_LEN)
+    max_ctx = tl.max(ctx, axis=0)
+
+    num_blocks = tl.cdiv(MAX_LEN, BLOCK_SIZE)
+    if not CLEAN:
+        num_blocks = tl.cdiv(max_ctx, BLOCK_SIZE)
+    out_rows = out_ptr + (b.to(tl.int64) * NEXT_N + j)[:, None] * stride_om
+    pos = tl.arange(0, BLOCK_SIZE)
+    for blk in range(pid_s, num_blocks, SPLIT):
+        n = blk * BLOCK_SIZE + pos
+        dest = out_rows + n[None, :]
+        inside = n[None, :] < ctx[:, None]
+        if blk * BLOCK_SIZE < max_ctx:
+            phys = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + blk).to(tl.int64)
+            kt = tl.load(values_ptr + phys * stride_vblk + pos[:, None] * D + d[None, :])
+            s = tl.dot(q, tl.trans(kt), out_dtype=tl.float32)           # [ROWS, BLOCK_SIZE]
+            s = tl.maximum(s, 0.0) * w[:, None]
+            logit = tl.sum(tl.reshape(s, (NP, HP, BLOCK_SIZE)), axis=1)  # [NP, BLOCK_SIZE]
+            ksc = tl.load(scales_ptr + phys * stride_sblk + SCALE_OFF + pos)
+            logit = logit * ksc[None, :]
+            if CLEAN:
+                tl.store(dest, tl.where(inside, logit, float("-inf")),
+                         mask=j_ok[:, None] & (n[None, :] < MAX_LEN))
+            else:
+                tl.store(dest, logit, mask=j_ok[:, None] & inside)
+        else:
+            if CLEAN:
+                tl.store(dest, tl.full((NP, BLOCK_SIZE), float("-inf"), tl.float32),
+                         mask=j_ok[:, None] & (n[None, :] < MAX_LEN))
+
+
+def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
+                     context_lens: torch.Tensor, block_table: torch.Tensor, max_model_len: int,
+                     clean_logits: bool = False, num_splits: int | None = None) -> torch.Tensor:
+    """MQA logits for decode, what DeepGEMM's `fp8_fp4_paged_mqa_logits` computes on FP8 inputs.
+
+    q [B, next_n, H, D] float8_e4m3fn; kv_cache uint8 [num_blocks, block_size, (1,) D + 4] in
+    the indexer layout (module docstring); weights [B * next_n, H] float32; context_lens int32
+    [B] (per request: token j sees L - next_n + j + 1 keys) or [B, next_n] (per token);
+    block_table int32 [B, max_blocks]. Returns [B * next_n, max_model_len] float32.
+    """
+    _check(q.dim() == 4, f"paged_mqa_logits: q must be [batch, next_n, heads, head_dim], got {tuple(q.shape)}")
+    B, next_n, H, D = q.shape
+    _check(q.dtype == FP8, f"paged_mqa_logits: q must be float8_e4m3fn, got {q.dtype}")
+    _check(kv_cache.dtype == torch.uint8 and kv_cache.dim() in (3, 4) and kv_cache.shape[-1] == D + 4
+           and (kv_cache.dim() == 3 or kv_cache.shape[2] == 1),
+           f"paged_mqa_logits: kv_cache must be uint8 [blocks, block_size, (1,) {D + 4}], "
+           f"got {kv_cache.dtype} {tuple(kv_cache.shape)}")
+    block_size = kv_cache.shape[1]
+    _check(block_size == triton.next_power_of_2(block_size) and block_size >= 16,
+           f"paged_mqa_logits: block_size must be a power of two >= 16, got {block_size}")
+    _check(kv_cache.stride(-1) == 1 and kv_cache.stride(1) == D + 4 and kv_cache.stride(0) % 4 == 0,
+           f"paged_mqa_logits: each cache block must be contiguous with a 4-byte aligned block stride, "
+           f"got strides {kv_cache.stride()}")
+    _check(weights.shape == (B * next_n, H) and weights.dtype == torch.float32,
+           f"paged_mqa_logits: weights must be float32 [{B * next_n}, {H}], got {weights.dtype} {tuple(weights.shape)}")
+    _check(context_lens.dtype == torch.int32 and (context_lens.shape == (B,) or context_lens.shape == (B, next_n)),
+           f"paged_mqa_logits: context_lens must be int32 [{B}] or [{B}, {next_n}], "
+           f"got {context_lens.dtype} {tuple(context_lens.shape)}")
+    _check(block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.shape[0] == B
+           and block_table.stride(1) == 1,
+           f"paged_mqa_logits: block_table must be int32 [{B}, max_blocks] with unit column stride, "
+           f"got {block_table.dtype} {tuple(block_table.shape)}")
+    _check(max_model_len > 0, f"paged_mqa_logits: max_model_len must be positive, got {max_model_len}")
+    _check(D == triton.next_power_of_2(D) and D >= 16,
+           f"paged_mqa_logits: head_dim must be a power of two >= 16, got {D}")
+    devices = {t.device for t in (q, kv_cache, weights, context_lens, block_table)}
+    _check(len(devices) == 1, f"paged_mqa_logits: all inputs must be on one device, got {devices}")
+
+    logits = torch.empty((B * next_n, max_model_len), dtype=torch.float32, device=q.device)
+    if B == 0 or next_n == 0:
+        return logits
+    # The same memory seen as fp8 values and as float32 words; the kernel adds the offsets.
+    _check(kv_cache.storage_offset() % 4 == 0,
+           f"paged_mqa_logits: kv_cache must start 4-byte aligned, storage offset {kv_cache.storage_offset()}")
+    values = kv_cache.view(FP8)
+    scales = kv_cache.view(torch.float32)
+    blk_bytes = kv_cache.stride(0)
+    ctx2d = context_lens.dim() == 2
+    np_ = triton.next_power_of_2(next_n)
+    hp = triton.next_power_of_2(H)
+    blocks = triton.cdiv(max_model_len, block_size)
+    splits = num_splits or _default_splits(q.device, B, blocks)
+    _paged_mqa_logits_kernel[(B, splits)](
+        q, values, scales, weights, context_lens, block_table, logits,
+        H, next_n, max_model_len, (block_size * D) // 4,
+        q.stride(0), q.stride(1), q.stride(2), q.stride(3),
+        blk_bytes, blk_bytes // 4,
+        weights.stride(0), weights.stride(1),
+        context_lens.stride(0), context_lens.stride(1) if ctx2d else 0,
+        block_table.stride(0),
+        logits.stride(0),
+        splits,
+        NP=np_, HP=hp, D=D, BLOCK_SIZE=block_size,
+        CTX_2D=ctx2d, CLEAN=clean_logits,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    return logits
+
+
+# ----------------------------------------------------------------------------------------------
+# Top-k per row.
+# ----------------------------------------------------------------------------------------------
+
+
+def top_k_per_row_reference(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor,
+                            topk: int) -> list[set[int]]:
+    """Per row, the set of positions (relative to start) of the topk largest logits in range."""
+    result = []
+    for row in range(logits.shape[0]):
+        s = 0 if starts is None else int(starts[row])
+        e = int(ends[row])
+        vals = logits[row, s:max(s, e)].to(torch.float64)
+        order = torch.argsort(vals, descending=True, stable=True)[:topk]
+        result.append({int(i) for i in order})
+    return result
+
+
+def decode_row_ends(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
+    """Per logits row (b * next_n + j), the exclusive end of its key range for paged decode."""
+    return _per_token_context_lens(context_lens, context_lens.shape[0], next_n).reshape(-1)
+
+
+def top_k_per_row(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor, topk: int,
+                  out: torch.Tensor | None = None, max_chunk_bytes: int = 256 << 20) -> torch.Tensor:
+    """Top-k of each logits row inside [starts[r], ends[r]) (starts None: 0), as positions
+    relative to the start, int32 [rows, topk], -1 past the range's length.
+
+    Reads only the range, so logits made with clean_logits=False are fine. Works in row
+    chunks of at most `max_chunk_bytes` of masked copy; no host synchronisation (CUDA graphs).
+    """
+    _check(logits.dim() == 2 and logits.dtype == torch.float32,
+           f"top_k_per_row: logits must be float32 [rows, keys], got {logits.dtype} {tuple(logits.shape)}")
+    rows, n = logits.shape
+    _check(topk > 0, f"top_k_per_row: topk must be positive, got {topk}")
+    _check(ends.shape == (rows,), f"top_k_per_row: ends must be [{rows}], got {tuple(ends.shape)}")
+    _check(starts is None or starts.shape == (rows,),
+           f"top_k_per_row: starts must be [{rows}], got {None if starts is None else tuple(starts.shape)}")
+    if out is None:
+        out = torch.empty((rows, topk), dtype=torch.int32, device=logits.device)
+    _check(out.shape[0] >= rows and out.shape[1] == topk and out.dtype == torch.int32,
+           f"top_k_per_row: out must be int32 [{rows}, {topk}], got {out.dtype} {tuple(out.shape)}")
+    if rows == 0:
+        return out
+    k = min(topk, n)
+    if k < topk:
+        out[:rows, k:] = -1
+    if k == 0:
+        return out
+    cols = torch.arange(n, device=logits.device)
+    rank = torch.arange(k, device=logits.device)
+    step = max(1, max_chunk_bytes // max(1, n * 4))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        start = torch.zeros(r1 - r0, dtype=torch.int64, device=logits.device) if starts is None \
+            else starts[r0:r1].long()
+        end = ends[r0:r1].long().clamp(max=n)
+        inside = (cols[None, :] >= start[:, None]) & (cols[None, :] < end[:, None])
+        masked = torch.where(inside, logits[r0:r1], NEG_INF)
+        idx = torch.topk(masked, k, dim=1, sorted=True).indices
+        count = (end - start).clamp(min=0)
+        rel = torch.where(rank[None, :] < count[:, None], idx - start[:, None], -1)
+        out[r0:r1, :k] = rel.to(torch.int32)
+    return out
