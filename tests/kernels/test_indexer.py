@@ -12,12 +12,19 @@ import os
 
 import torch
 
+# Without a GPU the kernels run through Triton's interpreter, which must be chosen before
+# triton is first imported (its own library functions are decorated at import).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from mlafleet.kernels import indexer as ix  # noqa: E402
+
+if not torch.cuda.is_available() and not isinstance(ix._mqa_logits_kernel, InterpretedFunction):
+    raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set and there is no GPU: "
+                       "run pytest with TRITON_INTERPRET=1 in the environment")
 
 # triton 3.6's interpreter converts 1-element arrays with int(): numpy 2.x warns (2.4 refuses).
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
