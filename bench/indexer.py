@@ -44,7 +44,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def bench(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
+def bench(fn, warmup_ms: int = 100, rep_ms: int = 200) -> float:
     if DEV == "cpu":  # the dry run checks the script, not speed
         return 1.0
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
@@ -120,6 +120,8 @@ def prefill_case(dg, heads: int, req_ctx: list[int], req_q: list[int], gen: torc
     res["ms_ours"] = bench(ours)
     res["ms_dg"] = bench(theirs)
     res["ms_topk_ours"] = bench(lambda: ix.top_k_per_row(out, ks_t, ke_t, TOPK))
+    res["ms_topk_torch"] = bench(lambda: ix.top_k_per_row_torch(out, ks_t, ke_t, TOPK))
+    res["topk_triton_eq_torch"] = topk_overlap(idx_ours, ix.top_k_per_row_torch(out, ks_t, ke_t, TOPK))
     res["tflops_ours"] = flops / res["ms_ours"] / 1e9
     res["tflops_dg"] = flops / res["ms_dg"] / 1e9
     return res
@@ -128,7 +130,8 @@ def prefill_case(dg, heads: int, req_ctx: list[int], req_q: list[int], gen: torc
 # -------------------------------------------------------------------------------------- decode
 
 
-def decode_case(dg, heads: int, lens: list[int], gen: torch.Generator, block_size: int = 64) -> dict:
+def decode_case_inputs(gen: torch.Generator, heads: int, lens: list[int], block_size: int = 64) -> tuple:
+    """(q, cache, weights, context_lens, block_table, max_model_len) as vLLM passes them."""
     dev = DEV
     b = len(lens)
     max_model_len = triton.cdiv(max(lens) + 1, block_size) * block_size
@@ -149,6 +152,13 @@ def decode_case(dg, heads: int, lens: list[int], gen: torch.Generator, block_siz
     ctx = torch.tensor(lens, dtype=torch.int32, device=dev)[:, None]   # [B, next_n], as vLLM 0.20.2 passes
     q = (torch.randn((b, 1, heads, D), generator=gen, device=dev) * 2).to(FP8)
     w = torch.randn((b, heads), generator=gen, device=dev) / heads ** 0.5
+    return q, cache, w, ctx, table, max_model_len
+
+
+def decode_case(dg, heads: int, lens: list[int], gen: torch.Generator, block_size: int = 64) -> dict:
+    dev = DEV
+    b = len(lens)
+    q, cache, w, ctx, table, max_model_len = decode_case_inputs(gen, heads, lens, block_size)
     sched = dg.get_paged_mqa_logits_metadata(ctx, block_size, num_sms())
 
     def ours():
@@ -182,6 +192,8 @@ def decode_case(dg, heads: int, lens: list[int], gen: torch.Generator, block_siz
     res["ms_ours"] = bench(ours)
     res["ms_dg"] = bench(theirs)
     res["ms_topk_ours"] = bench(lambda: ix.top_k_per_row(out, None, ends, TOPK))
+    res["ms_topk_torch"] = bench(lambda: ix.top_k_per_row_torch(out, None, ends, TOPK))
+    res["topk_triton_eq_torch"] = topk_overlap(idx_ours, ix.top_k_per_row_torch(out, None, ends, TOPK))
     bytes_moved = sum(lens) * (D + 4) + sum(lens) * 4
     res["gbs_ours"] = bytes_moved / res["ms_ours"] / 1e6
     res["gbs_dg"] = bytes_moved / res["ms_dg"] / 1e6
@@ -214,6 +226,7 @@ def main() -> None:
     parser.add_argument("--out", default="indexer-bench.json")
     parser.add_argument("--budget-s", type=float, default=240.0, help="skip remaining cases past this")
     parser.add_argument("--quick", action="store_true", help="two small cases")
+    parser.add_argument("--sweep", action="store_true", help="then time other tile configurations of ours")
     parser.add_argument("--cpu-dry-run", action="store_true", help="no GPU: check the script (TRITON_INTERPRET=1)")
     args = parser.parse_args()
     global DEV
@@ -252,15 +265,75 @@ def main() -> None:
         print(json.dumps(res), flush=True)
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1)
-    print(f"{'case':44s} {'ours ms':>9s} {'DG ms':>9s} {'ours/DG':>8s} {'topk ms':>8s} {'err vs DG':>10s} {'err f64':>9s} {'DG f64':>9s} {'top-k ov':>8s}")
+    print(f"{'case':44s} {'ours ms':>9s} {'DG ms':>9s} {'ours/DG':>8s} {'topk ms':>8s} {'torch tk':>8s} {'err vs DG':>10s} {'err f64':>9s} {'DG f64':>9s} {'top-k ov':>8s}")
     for r in results:
         if "skipped" in r:
             print(f"{r['case']:44s} skipped")
             continue
         print(f"{r['case'][:44]:44s} {r['ms_ours']:9.4f} {r['ms_dg']:9.4f} {r['ms_ours'] / r['ms_dg']:8.2f} "
-              f"{r['ms_topk_ours']:8.4f} {r['rel_err_ours_vs_dg']:10.2e} {r['rel_err_ours_vs_f64']:9.2e} "
+              f"{r['ms_topk_ours']:8.4f} {r['ms_topk_torch']:8.4f} {r['rel_err_ours_vs_dg']:10.2e} {r['rel_err_ours_vs_f64']:9.2e} "
               f"{r['rel_err_dg_vs_f64']:9.2e} {r['topk_overlap_ours_vs_dg']:8.4f}")
+    if args.sweep and DEV == "cuda":
+        sweep(gen, lens64, results, meta, args.out)
     print(f"total {time.time() - t0:.0f} s")
+
+
+PREFILL_VARIANTS = [(64, 64, 4, 2), (128, 128, 8, 2)]
+DECODE_VARIANTS = [(4, 2), (8, 2)]
+TOPK_VARIANTS = [(4096, 8), (8192, 16), (2048, 8), (8192, 8)]
+
+
+def sweep(gen: torch.Generator, lens64: list[int], results: list, meta: dict, out_path: str) -> None:
+    """Our kernels alone under other tile configurations (rows, BLOCK_N, warps, stages), H=64."""
+    m, n, heads = 4096, 65536, 64
+    ks = torch.zeros(m, dtype=torch.int32, device=DEV)
+    ke = torch.arange(n - m + 1, n + 1, dtype=torch.int32, device=DEV)
+    q = (torch.randn((m, heads, D), generator=gen, device=DEV) * 2).to(FP8)
+    k, k_scale = quantize_per_token(torch.randn((n, D), generator=gen, device=DEV))
+    w = torch.randn((m, heads), generator=gen, device=DEV) / heads ** 0.5
+    base = ix.mqa_logits(q, k, k_scale, w, ks, ke)
+    flops = 2.0 * float((ke - ks).sum()) * heads * D
+    saved = (ix.PREFILL_ROWS, ix.PREFILL_BLOCK_N, ix.PREFILL_WARPS, ix.PREFILL_STAGES)
+    for rows, bn, warps, stages in PREFILL_VARIANTS:
+        ix.PREFILL_ROWS, ix.PREFILL_BLOCK_N, ix.PREFILL_WARPS, ix.PREFILL_STAGES = rows, bn, warps, stages
+        try:
+            out = ix.mqa_logits(q, k, k_scale, w, ks, ke)
+            inside = torch.arange(n, device=DEV)[None] < ke[:, None]
+            same = float((out[inside] - base[inside]).abs().max())
+            ms = bench(lambda: ix.mqa_logits(q, k, k_scale, w, ks, ke))
+            r = {"case": f"sweep prefill H=64 65536x4096 rows={rows} bn={bn} w={warps} s={stages}", "ms": ms,
+                 "tflops": flops / ms / 1e9, "max_abs_diff_vs_base": same}
+        except Exception as e:  # a config that does not compile or launch on this GPU
+            r = {"case": f"sweep prefill rows={rows} bn={bn} w={warps} s={stages}", "error": repr(e)[:300]}
+        print(json.dumps(r), flush=True)
+        results.append(r)
+    ix.PREFILL_ROWS, ix.PREFILL_BLOCK_N, ix.PREFILL_WARPS, ix.PREFILL_STAGES = saved
+    res = decode_case_inputs(gen, heads, lens64)
+    saved = (ix.DECODE_WARPS, ix.DECODE_STAGES)
+    for warps, stages in DECODE_VARIANTS:
+        ix.DECODE_WARPS, ix.DECODE_STAGES = warps, stages
+        ms = bench(lambda: ix.paged_mqa_logits(*res))
+        r = {"case": f"sweep decode H=64 B=64 w={warps} s={stages}", "ms": ms}
+        print(json.dumps(r), flush=True)
+        results.append(r)
+    ix.DECODE_WARPS, ix.DECODE_STAGES = saved
+    # top-k (BLOCK, warps) on decode B=1 x 100k, decode B=64 and prefill 4096 x 65536 logits
+    one = torch.randn((1, 100096), generator=gen, device=DEV)
+    one_end = torch.tensor([100000], dtype=torch.int32, device=DEV)
+    many = torch.randn((64, 16384), generator=gen, device=DEV)
+    many_end = torch.tensor(lens64, dtype=torch.int32, device=DEV)
+    saved = (ix.TOPK_BLOCK, ix.TOPK_WARPS)
+    for blk, warps in TOPK_VARIANTS:
+        ix.TOPK_BLOCK, ix.TOPK_WARPS = blk, warps
+        r = {"case": f"sweep top-k block={blk} w={warps}",
+             "ms_1x100k": bench(lambda: ix.top_k_per_row(one, None, one_end, TOPK)),
+             "ms_64x2k-16k": bench(lambda: ix.top_k_per_row(many, None, many_end, TOPK)),
+             "ms_prefill_4096x65536": bench(lambda: ix.top_k_per_row(base, ks, ke, TOPK))}
+        print(json.dumps(r), flush=True)
+        results.append(r)
+    ix.TOPK_BLOCK, ix.TOPK_WARPS = saved
+    with open(out_path, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

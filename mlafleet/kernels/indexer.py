@@ -25,7 +25,8 @@ for D = 128, but the scale of token t of a block is NOT at bytes 128..131 of row
 `top_k_per_row` picks each row's `topk` largest logits inside [start, end) and writes their
 positions relative to `start`, -1 where the range holds fewer than `topk` positions, like
 vLLM's `top_k_per_row_prefill`/`top_k_per_row_decode` (the order inside a row is not part of
-the contract). It uses torch.topk, which runs on every CUDA architecture.
+the contract). It is an exact radix select in Triton (a few KB of shared memory);
+`top_k_per_row_torch` does the same through torch.topk.
 
 Readable float64 references (`*_reference`) sit beside each fast path; the tests compare them.
 This module imports only torch and triton.
@@ -46,9 +47,11 @@ NEG_INF = float("-inf")
 # of a [BLOCK_N, D] fp8 key tile, plus the layout conversion of the head reduction; the
 # sm_120 resource test in tests/kernels/ checks every config below 101376 bytes.
 PREFILL_BLOCK_N = 64
-PREFILL_ROWS = 64  # query tokens per program * padded heads (at least one token)
-NUM_WARPS = 4
-NUM_STAGES = 2
+PREFILL_ROWS = 128  # query tokens per program * padded heads (at least one token)
+PREFILL_WARPS = 8
+PREFILL_STAGES = 2
+DECODE_WARPS = 4
+DECODE_STAGES = 2
 
 
 @functools.cache
@@ -200,7 +203,7 @@ def mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, weights:
         splits,
         BLOCK_M=block_m, HP=hp, D=D, BLOCK_N=PREFILL_BLOCK_N,
         CLEAN=clean_logits,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        num_warps=PREFILL_WARPS, num_stages=PREFILL_STAGES,
     )
     return logits
 
@@ -383,7 +386,7 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
         splits,
         NP=np_, HP=hp, D=D, BLOCK_SIZE=block_size,
         CTX_2D=ctx2d, CLEAN=clean_logits,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
     )
     return logits
 
@@ -411,14 +414,105 @@ def decode_row_ends(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
     return _per_token_context_lens(context_lens, context_lens.shape[0], next_n).reshape(-1)
 
 
-def top_k_per_row(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor, topk: int,
-                  out: torch.Tensor | None = None, max_chunk_bytes: int = 256 << 20) -> torch.Tensor:
-    """Top-k of each logits row inside [starts[r], ends[r]) (starts None: 0), as positions
-    relative to the start, int32 [rows, topk], -1 past the range's length.
+@triton.jit
+def _topk_kernel(
+    logits_ptr, starts_ptr, ends_ptr, out_ptr,
+    N, TOPK,
+    stride_lr, stride_lc, stride_or,
+    HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One row per program: exact radix select of the TOPK-th largest logit in [start, end)
+    (four 8-bit histogram passes over the row), then one pass writing the positions of
+    everything above it and of the first ties at it, relative to start."""
+    row = tl.program_id(0).to(tl.int64)
+    start = 0
+    if HAS_STARTS:
+        start = tl.load(starts_ptr + row)
+    end = tl.minimum(tl.load(ends_ptr + row), N)
+    length = tl.maximum(end - start, 0)
+    src = logits_ptr + row * stride_lr
+    dst = out_ptr + row * stride_or
+    lanes = tl.arange(0, BLOCK)
 
-    Reads only the range, so logits made with clean_logits=False are fine. Works in row
-    chunks of at most `max_chunk_bytes` of masked copy; no host synchronisation (CUDA graphs).
+    if length <= TOPK:
+        # Every position of the range, then -1.
+        for c in range(0, TOPK, BLOCK):
+            i = c + lanes
+            tl.store(dst + i, tl.where(i < length, i, -1), mask=i < TOPK)
+    else:
+        # Float order as signed int32 order: flip the 31 low bits of negative floats.
+        bins = tl.arange(0, 256)
+        prefix = 0
+        remaining = TOPK  # how many of the elements matching `prefix` are still to take
+        for p in tl.static_range(4):
+            shift = 24 - 8 * p
+            high = 0 if p == 0 else -(1 << (32 - 8 * p))  # the bits already decided
+            hist = tl.zeros((256,), tl.int32)
+            for c in range(start, end, BLOCK):
+                i = c + lanes
+                ok = i < end
+                bits = tl.load(src + i * stride_lc, mask=ok, other=0.0).to(tl.int32, bitcast=True)
+                key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+                digit = (key >> shift) & 0xFF
+                if p == 0:
+                    digit = digit ^ 0x80  # the sign byte: order it as unsigned
+                hist += tl.histogram(digit, 256, mask=ok & ((key & high) == prefix))
+            at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, 0) + hist   # elements with digit >= bin
+            chosen = tl.max(tl.where(at_or_above >= remaining, bins, -1), axis=0)
+            remaining -= tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
+            if p == 0:
+                chosen = chosen ^ 0x80
+            prefix = prefix | (chosen << shift)
+        # prefix is now the exact key of the TOPK-th largest; take all above and `remaining` equal.
+        written = 0
+        ties = 0
+        for c in range(start, end, BLOCK):
+            i = c + lanes
+            ok = i < end
+            bits = tl.load(src + i * stride_lc, mask=ok, other=0.0).to(tl.int32, bitcast=True)
+            key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+            above = ok & (key > prefix)
+            tie = ok & (key == prefix)
+            tie_rank = ties + tl.cumsum(tie.to(tl.int32), 0) - 1
+            take = above | (tie & (tie_rank < remaining))
+            slot = written + tl.cumsum(take.to(tl.int32), 0) - 1
+            tl.store(dst + slot, i - start, mask=take)
+            written += tl.sum(take.to(tl.int32), axis=0)
+            ties += tl.sum(tie.to(tl.int32), axis=0)
+
+
+TOPK_BLOCK = 4096
+TOPK_WARPS = 8
+
+
+def top_k_per_row(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor, topk: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Top-k of each logits row inside [starts[r], ends[r]) (starts None: 0), as positions
+    relative to the start, int32 [rows, topk], -1 past the range's length. Triton radix select.
+
+    Reads only the range, so logits made with clean_logits=False are fine; the range's own
+    values must not be NaN. Ties at the k-th value go to the lowest positions. No host
+    synchronisation (CUDA graphs).
     """
+    rows, n, out = _check_topk_args(logits, starts, ends, topk, out)
+    if rows == 0:
+        return out
+    _check(logits.stride(1) == 1 or n == 1, "top_k_per_row: logits rows must be contiguous")
+    _check(out.stride(1) == 1, "top_k_per_row: out rows must be contiguous")
+    _check(ends.dtype == torch.int32 and (starts is None or starts.dtype == torch.int32),
+           "top_k_per_row: starts and ends must be int32")
+    _topk_kernel[(rows,)](
+        logits, ends if starts is None else starts, ends, out,
+        n, topk,
+        logits.stride(0), logits.stride(1), out.stride(0),
+        HAS_STARTS=starts is not None, BLOCK=TOPK_BLOCK,
+        num_warps=TOPK_WARPS,
+    )
+    return out
+
+
+def _check_topk_args(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor, topk: int,
+                     out: torch.Tensor | None) -> tuple[int, int, torch.Tensor]:
     _check(logits.dim() == 2 and logits.dtype == torch.float32,
            f"top_k_per_row: logits must be float32 [rows, keys], got {logits.dtype} {tuple(logits.shape)}")
     rows, n = logits.shape
@@ -430,6 +524,14 @@ def top_k_per_row(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch
         out = torch.empty((rows, topk), dtype=torch.int32, device=logits.device)
     _check(out.shape[0] >= rows and out.shape[1] == topk and out.dtype == torch.int32,
            f"top_k_per_row: out must be int32 [{rows}, {topk}], got {out.dtype} {tuple(out.shape)}")
+    return rows, n, out
+
+
+def top_k_per_row_torch(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor, topk: int,
+                        out: torch.Tensor | None = None, max_chunk_bytes: int = 256 << 20) -> torch.Tensor:
+    """`top_k_per_row` through torch.topk (runs wherever torch does; slower), on a masked copy
+    made in row chunks of at most `max_chunk_bytes`."""
+    rows, n, out = _check_topk_args(logits, starts, ends, topk, out)
     if rows == 0:
         return out
     k = min(topk, n)

@@ -226,7 +226,11 @@ def test_paged_mqa_logits_empty_context_row() -> None:
 # ----------------------------------------------------------------------------------------- top-k
 
 
-def test_top_k_per_row_ranges_short_rows_and_fill() -> None:
+TOPK_IMPLS = {"triton": ix.top_k_per_row, "torch": ix.top_k_per_row_torch}
+
+
+@pytest.mark.parametrize("impl", TOPK_IMPLS)
+def test_top_k_per_row_ranges_short_rows_and_fill(impl: str) -> None:
     gen = torch.Generator().manual_seed(3)
     rows, n, topk = 5, 300, 16
     logits = torch.randn((rows, n), generator=gen)
@@ -238,7 +242,7 @@ def test_top_k_per_row_ranges_short_rows_and_fill() -> None:
     cols = torch.arange(n)
     inside = (cols[None] >= starts[:, None].long()) & (cols[None] < ends[:, None].long())
     logits = torch.where(inside, logits, garbage)
-    out = ix.top_k_per_row(logits, starts, ends, topk)
+    out = TOPK_IMPLS[impl](logits, starts, ends, topk)
     want = ix.top_k_per_row_reference(logits, starts, ends, topk)
     for r in range(rows):
         got = out[r].tolist()
@@ -249,13 +253,14 @@ def test_top_k_per_row_ranges_short_rows_and_fill() -> None:
     assert out[3].tolist() == [-1] * topk                            # empty range
 
 
-def test_top_k_per_row_decode_rows_more_topk_than_columns_and_chunks() -> None:
+@pytest.mark.parametrize("impl", TOPK_IMPLS)
+def test_top_k_per_row_decode_rows_more_topk_than_columns(impl: str) -> None:
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn((6, 40), generator=gen)
     ends = ix.decode_row_ends(torch.tensor([40, 5, 12], dtype=torch.int32), next_n=2)
     assert ends.tolist() == [39, 40, 4, 5, 11, 12]
     out = torch.full((8, 64), 99, dtype=torch.int32)                 # a larger buffer, as vLLM's
-    ix.top_k_per_row(logits, None, ends, 64, out=out[:6], max_chunk_bytes=2 * 40 * 4)
+    TOPK_IMPLS[impl](logits, None, ends, 64, out=out[:6])
     want = ix.top_k_per_row_reference(logits, None, ends, 64)
     for r in range(6):
         assert {i for i in out[r].tolist() if i != -1} == want[r]
@@ -283,6 +288,38 @@ def test_decode_pipeline_topk_2048_at_real_size() -> None:
     margin = 1e-5 * ref[0, :3000].abs().max()
     assert ref[0, chosen].min() >= ref[0, :3000][rest].max() - margin
     assert sorted(idx[1, :1000].tolist()) == list(range(1000)) and (idx[1, 1000:] == -1).all()
+
+
+def test_triton_top_k_radix_select_exact() -> None:
+    """Long rows (several 4096-blocks), both signs, +-inf, values that share their high bytes,
+    and ties at the k-th value (taken at the lowest positions, as the stable reference does)."""
+    gen = torch.Generator().manual_seed(9)
+    rows, n, topk = 4, 9000, 2048
+    logits = torch.randn((rows, n), generator=gen)
+    logits[0, :3000] = 1.0 + torch.rand(3000, generator=gen) * 1e-6     # same top 16 bits
+    logits[1] = -logits[1].abs()                                       # all negative
+    logits[1, 5] = float("-inf")
+    logits[2, 100:4100] = 0.5                                          # 4000 ties around the k-th
+    logits[2, 8000:8100] = float("inf")
+    logits[3, ::2] = logits[3, 1::2]                                   # pairwise ties everywhere
+    starts = torch.tensor([0, 1, 50, 0], dtype=torch.int32)
+    ends = torch.tensor([9000, 8999, 9000, 8001], dtype=torch.int32)
+    out = ix.top_k_per_row(logits, starts, ends, topk)
+    want = ix.top_k_per_row_reference(logits, starts, ends, topk)
+    for r in range(rows):
+        assert set(out[r].tolist()) == want[r], f"row {r}"
+
+
+def test_top_k_per_row_triton_and_torch_agree_on_kernel_logits() -> None:
+    gen = torch.Generator().manual_seed(10)
+    ks, ke = prefill_ranges([3000, 2500], [3, 2])
+    q = random_q(gen, (5, 32, D))
+    k, k_scale = random_k(gen, 5500)
+    w = random_weights(gen, 5, 32)
+    logits = ix.mqa_logits(q, k, k_scale, w, ks, ke)
+    a = ix.top_k_per_row(logits, ks, ke, 2048)
+    b = ix.top_k_per_row_torch(logits, ks, ke, 2048)
+    assert [set(r) for r in a.tolist()] == [set(r) for r in b.tolist()]
 
 
 # ------------------------------------------------------------------------------------- bad input

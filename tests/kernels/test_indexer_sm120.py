@@ -20,6 +20,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 PREFILL = [{"heads": h, "clean": c} for h in (32, 64) for c in (False, True)]
+TOPK = [{"starts": st} for st in (False, True)]
 PAGED = [{"heads": h, "next_n": n, "clean": c, "ctx_2d": not c} for h in (32, 64) for n in (1, 2) for c in (False, True)]
 
 SCRIPT = r'''
@@ -41,6 +42,10 @@ PAGED_SIG = {
     "stride_vblk": "i32", "stride_sblk": "i32", "stride_wm": "i32", "stride_wh": "i32",
     "stride_cb": "i32", "stride_cn": "i32", "stride_btb": "i32", "stride_om": "i32", "SPLIT": "i32",
 }
+TOPK_SIG = {
+    "logits_ptr": "*fp32", "starts_ptr": "*i32", "ends_ptr": "*i32", "out_ptr": "*i32", "N": "i32", "TOPK": "i32",
+    "stride_lr": "i32", "stride_lc": "i32", "stride_or": "i32",
+}
 # What Triton's JIT sees at launch for vLLM's contiguous tensors: 16-byte aligned pointers and
 # row strides that are multiples of 16, so the code compiled here is the code that runs.
 PREFILL_ALIGNED = ("q_ptr", "k_ptr", "ks_ptr", "ke_ptr", "scale_ptr", "w_ptr", "out_ptr",
@@ -58,12 +63,17 @@ for c in configs["prefill"]:
     out["prefill"].append(report(compile_for_sm120(
         ix._mqa_logits_kernel, PREFILL_SIG,
         {"BLOCK_M": ix._prefill_block_m(hp), "HP": hp, "D": 128, "BLOCK_N": ix.PREFILL_BLOCK_N, "CLEAN": c["clean"]},
-        num_warps=ix.NUM_WARPS, num_stages=ix.NUM_STAGES, aligned=PREFILL_ALIGNED)))
+        num_warps=ix.PREFILL_WARPS, num_stages=ix.PREFILL_STAGES, aligned=PREFILL_ALIGNED)))
 for c in configs["paged"]:
     out["paged"].append(report(compile_for_sm120(
         ix._paged_mqa_logits_kernel, PAGED_SIG,
         {"NP": c["next_n"], "HP": c["heads"], "D": 128, "BLOCK_SIZE": 64, "CTX_2D": c["ctx_2d"], "CLEAN": c["clean"]},
-        num_warps=ix.NUM_WARPS, num_stages=ix.NUM_STAGES, aligned=PAGED_ALIGNED)))
+        num_warps=ix.DECODE_WARPS, num_stages=ix.DECODE_STAGES, aligned=PAGED_ALIGNED)))
+out["topk"] = []
+for c in configs["topk"]:
+    out["topk"].append(report(compile_for_sm120(
+        ix._topk_kernel, TOPK_SIG, {"HAS_STARTS": c["starts"], "BLOCK": ix.TOPK_BLOCK},
+        num_warps=ix.TOPK_WARPS, num_stages=1, aligned=("logits_ptr", "out_ptr", "stride_or"))))
 print(json.dumps(out))
 '''
 
@@ -72,7 +82,7 @@ print(json.dumps(out))
 def reports() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps({"prefill": PREFILL, "paged": PAGED})],
+    result = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps({"prefill": PREFILL, "paged": PAGED, "topk": TOPK})],
                             capture_output=True, text=True, env=env, cwd=REPO, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -83,6 +93,13 @@ def test_prefill_kernel_fits_sm120(reports: dict, index: int) -> None:
     r = reports["prefill"][index]
     assert r["fits"], r["text"]
     assert r["shared"] > 0 and r["registers"] > 0  # fp8 tiles staged in shared memory for the dot
+
+
+@pytest.mark.parametrize("index", range(len(TOPK)), ids=[f"starts{c['starts']}" for c in TOPK])
+def test_topk_kernel_fits_sm120(reports: dict, index: int) -> None:
+    r = reports["topk"][index]
+    assert r["fits"], r["text"]
+    assert r["shared"] > 0  # the histogram
 
 
 @pytest.mark.parametrize("index", range(len(PAGED)),

@@ -42,9 +42,14 @@ try:
 except ValueError as e:
     out["bad_env"] = str(e)
 del os.environ["MLAFLEET_INDEXER_FALLBACK"]
-out["vllm_topk"] = {"12.0": mi.use_vllm_topk((12, 0)), "9.0": mi.use_vllm_topk((9, 0))}
-os.environ["MLAFLEET_INDEXER_TOPK"] = "mlafleet"
-out["vllm_topk_env_9.0"] = mi.use_vllm_topk((9, 0))
+out["topk_impl"] = {"12.0": mi.topk_implementation((12, 0)), "9.0": mi.topk_implementation((9, 0))}
+os.environ["MLAFLEET_INDEXER_TOPK"] = "torch"
+out["topk_impl_env_9.0"] = mi.topk_implementation((9, 0))
+os.environ["MLAFLEET_INDEXER_TOPK"] = "fast"
+try:
+    mi.topk_implementation((12, 0)); out["topk_bad_env"] = "accepted"
+except ValueError as e:
+    out["topk_bad_env"] = str(e)
 del os.environ["MLAFLEET_INDEXER_TOPK"]
 out["active_on_cpu"] = mi.deepgemm_free_indexer_active()
 out["shadowed"] = [sai.fp8_fp4_mqa_logits is mi.fp8_fp4_mqa_logits,
@@ -71,7 +76,7 @@ except RuntimeError as e:                      # DeepGEMM's own wrapper: not ava
     out["inactive_prefill"] = str(e)
 
 mi.deepgemm_free_indexer_active = lambda: True      # what a (12, 0) device decides
-mi._vllm_topk_active = lambda: False
+mi._topk_impl = lambda: "triton"                      # what (12, 0) chooses
 logits = sai.fp8_fp4_mqa_logits((q, None), (k, k_scale_bytes.view(torch.float32).squeeze(-1)), w, ks, ke,
                                 clean_logits=False)
 ref = kern.mqa_logits_reference(q, k, k_scale_bytes.view(torch.float32).squeeze(-1), w, ks, ke)
@@ -203,7 +208,8 @@ def test_patched_vllm_routes_the_indexer(vllm_python: str, overlay: Path, tmp_pa
     assert report["decision_without_deepgemm_9.0"] is True
     assert report["decision_forced_9.0"] is True
     assert "MLAFLEET_INDEXER_FALLBACK must be 1" in report["bad_env"]
-    assert report["vllm_topk"] == {"12.0": False, "9.0": True} and report["vllm_topk_env_9.0"] is False
+    assert report["topk_impl"] == {"12.0": "triton", "9.0": "vllm"} and report["topk_impl_env_9.0"] == "torch"
+    assert "MLAFLEET_INDEXER_TOPK must be one of vllm, triton, torch" in report["topk_bad_env"]
     assert report["active_on_cpu"] is False
     assert report["shadowed"] == [True, True, True]
     # not active: vLLM's DeepGEMM wrapper is called (and says DeepGEMM is missing on the CPU)

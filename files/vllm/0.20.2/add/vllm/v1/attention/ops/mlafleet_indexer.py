@@ -12,10 +12,11 @@ One decision, `use_deepgemm_free_indexer(capability, deep_gemm_installed)`:
   - MLAFLEET_INDEXER_FALLBACK=1 forces the DeepGEMM-free path (to test it on SM90);
   - otherwise the DeepGEMM-free path is taken when DeepGEMM is not installed or the
     device's major compute capability is not 9 or 10.
-Top-k on the DeepGEMM-free path: vLLM's `top_k_per_row_prefill` / `top_k_per_row_decode`
-where they are known to run (capability 9.x and 10.x, the architectures vLLM ships them
-tested on; never `persistent_topk`, whose shared-memory plan does not fit SM120), mlafleet's
-torch.topk path elsewhere. MLAFLEET_INDEXER_TOPK=vllm|mlafleet overrides that choice.
+Top-k on the DeepGEMM-free path, `topk_implementation(capability)`: vLLM's
+`top_k_per_row_prefill` / `top_k_per_row_decode` where they are known to run (capability 9.x
+and 10.x, where vLLM ships them tested; never `persistent_topk`, whose shared-memory plan does
+not fit SM120), mlafleet's Triton radix select elsewhere. MLAFLEET_INDEXER_TOPK=vllm|triton|torch
+overrides the choice (torch: torch.topk, slower, runs wherever torch runs).
 """
 
 from __future__ import annotations
@@ -44,14 +45,17 @@ def use_deepgemm_free_indexer(capability: tuple[int, int], deep_gemm_installed: 
     return int(capability[0]) not in DEEPGEMM_MAJORS
 
 
-def use_vllm_topk(capability: tuple[int, int]) -> bool:
-    """On the DeepGEMM-free path: vLLM's _C top_k_per_row ops (True) or mlafleet's (False)."""
+TOPK_IMPLEMENTATIONS = ("vllm", "triton", "torch")
+
+
+def topk_implementation(capability: tuple[int, int]) -> str:
+    """On the DeepGEMM-free path, whose top-k: 'vllm' (torch.ops._C), 'triton' or 'torch' (mlafleet)."""
     value = os.environ.get(TOPK_ENV, "")
-    if value not in ("", "vllm", "mlafleet"):
-        raise ValueError(f"{TOPK_ENV} must be 'vllm' or 'mlafleet' (or unset), got {value!r}")
+    if value and value not in TOPK_IMPLEMENTATIONS:
+        raise ValueError(f"{TOPK_ENV} must be one of {', '.join(TOPK_IMPLEMENTATIONS)} (or unset), got {value!r}")
     if value:
-        return value == "vllm"
-    return int(capability[0]) in DEEPGEMM_MAJORS
+        return value
+    return "vllm" if int(capability[0]) in DEEPGEMM_MAJORS else "triton"
 
 
 @functools.cache
@@ -75,17 +79,21 @@ def deepgemm_free_indexer_active() -> bool:
         return False
     active = use_deepgemm_free_indexer(capability, has_deep_gemm())
     if active:
-        topk = "vLLM top_k_per_row" if use_vllm_topk(capability) else "mlafleet torch.topk"
         init_logger(__name__).info(
             "DSA indexer: DeepGEMM-free path (mlafleet Triton MQA logits, %s top-k) on compute capability %d.%d",
-            topk, *capability)
+            topk_implementation(capability), *capability)
     return active
 
 
 @functools.cache
-def _vllm_topk_active() -> bool:
+def _topk_impl() -> str:
     capability = _device_capability()
-    return capability is not None and use_vllm_topk(capability)
+    return "vllm" if capability is None else topk_implementation(capability)
+
+
+def _mlafleet_topk():
+    kernels = _kernels()
+    return kernels.top_k_per_row_torch if _topk_impl() == "torch" else kernels.top_k_per_row
 
 
 def _kernels():
@@ -137,11 +145,11 @@ def fp8_fp4_paged_mqa_logits(q: tuple[torch.Tensor, torch.Tensor | None], kv_cac
 def top_k_per_row_prefill(logits: torch.Tensor, cu_seqlen_ks: torch.Tensor, cu_seqlen_ke: torch.Tensor,
                           topk_indices: torch.Tensor, num_rows: int, stride0: int, stride1: int,
                           topk_tokens: int) -> None:
-    if not deepgemm_free_indexer_active() or _vllm_topk_active():
+    if not deepgemm_free_indexer_active() or _topk_impl() == "vllm":
         torch.ops._C.top_k_per_row_prefill(logits, cu_seqlen_ks, cu_seqlen_ke, topk_indices, num_rows,
                                            stride0, stride1, topk_tokens)
         return
-    _kernels().top_k_per_row(logits[:num_rows], cu_seqlen_ks[:num_rows], cu_seqlen_ke[:num_rows],
+    _mlafleet_topk()(logits[:num_rows], cu_seqlen_ks[:num_rows], cu_seqlen_ke[:num_rows],
                              topk_tokens, out=topk_indices[:num_rows])
 
 
@@ -153,11 +161,11 @@ def _decode_ends(seq_lens: torch.Tensor, next_n: int, rows: int) -> torch.Tensor
 
 def top_k_per_row_decode(logits: torch.Tensor, next_n: int, seq_lens: torch.Tensor, topk_indices: torch.Tensor,
                          num_rows: int, stride0: int, stride1: int, topk_tokens: int) -> None:
-    if not deepgemm_free_indexer_active() or _vllm_topk_active():
+    if not deepgemm_free_indexer_active() or _topk_impl() == "vllm":
         torch.ops._C.top_k_per_row_decode(logits, next_n, seq_lens, topk_indices, num_rows, stride0, stride1,
                                           topk_tokens)
         return
-    _kernels().top_k_per_row(logits[:num_rows], None, _decode_ends(seq_lens, next_n, num_rows), topk_tokens,
+    _mlafleet_topk()(logits[:num_rows], None, _decode_ends(seq_lens, next_n, num_rows), topk_tokens,
                              out=topk_indices[:num_rows])
 
 
