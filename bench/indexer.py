@@ -278,9 +278,10 @@ def main() -> None:
     print(f"total {time.time() - t0:.0f} s")
 
 
-PREFILL_VARIANTS = [(64, 64, 4, 2), (128, 128, 8, 2)]
+# (rows, BLOCK_N, warps, stages), (warps, stages), top-k splits (None: the default choice)
+PREFILL_VARIANTS = [(64, 64, 4, 2), (128, 64, 8, 2)]
 DECODE_VARIANTS = [(4, 2), (8, 2)]
-TOPK_VARIANTS = [(4096, 8), (8192, 16), (2048, 8), (8192, 8)]
+TOPK_SPLITS = [1, None, 33, 132]
 
 
 def sweep(gen: torch.Generator, lens64: list[int], results: list, meta: dict, out_path: str) -> None:
@@ -322,16 +323,18 @@ def sweep(gen: torch.Generator, lens64: list[int], results: list, meta: dict, ou
     one_end = torch.tensor([100000], dtype=torch.int32, device=DEV)
     many = torch.randn((64, 16384), generator=gen, device=DEV)
     many_end = torch.tensor(lens64, dtype=torch.int32, device=DEV)
-    saved = (ix.TOPK_BLOCK, ix.TOPK_WARPS)
-    for blk, warps in TOPK_VARIANTS:
-        ix.TOPK_BLOCK, ix.TOPK_WARPS = blk, warps
-        r = {"case": f"sweep top-k block={blk} w={warps}",
-             "ms_1x100k": bench(lambda: ix.top_k_per_row(one, None, one_end, TOPK)),
-             "ms_64x2k-16k": bench(lambda: ix.top_k_per_row(many, None, many_end, TOPK)),
-             "ms_prefill_4096x65536": bench(lambda: ix.top_k_per_row(base, ks, ke, TOPK))}
+    four = torch.randn((4, 100096), generator=gen, device=DEV)
+    four_end = torch.full((4,), 100000, dtype=torch.int32, device=DEV)
+    want_one = ix.top_k_per_row_torch(one, None, one_end, TOPK)
+    for splits in TOPK_SPLITS:
+        got = ix.top_k_per_row(one, None, one_end, TOPK, splits=splits)
+        r = {"case": f"sweep top-k splits={splits}",
+             "same_set_as_torch_1x100k": topk_overlap(got, want_one),
+             "ms_1x100k": bench(lambda: ix.top_k_per_row(one, None, one_end, TOPK, splits=splits)),
+             "ms_4x100k": bench(lambda: ix.top_k_per_row(four, None, four_end, TOPK, splits=splits)),
+             "ms_64x2k-16k": bench(lambda: ix.top_k_per_row(many, None, many_end, TOPK, splits=splits))}
         print(json.dumps(r), flush=True)
         results.append(r)
-    ix.TOPK_BLOCK, ix.TOPK_WARPS = saved
     with open(out_path, "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
 

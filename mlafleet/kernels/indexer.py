@@ -485,14 +485,119 @@ TOPK_BLOCK = 4096
 TOPK_WARPS = 8
 
 
+# Few long rows (decode at small batch) leave most SMs idle with one program per row: there the
+# same radix select runs split, each row's range shared by several programs, one launch per
+# histogram pass (histograms merged with atomics), one to choose each pass's digit, one to write.
+# Ties at the k-th value are then taken in no fixed order (the set's size is still exact).
+
+
+@triton.jit
+def _topk_split_hist_kernel(
+    logits_ptr, starts_ptr, ends_ptr, hist_ptr, state_ptr,
+    N, TOPK, stride_lr, stride_lc, SPLIT,
+    PASS: tl.constexpr, HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    pid_s = tl.program_id(1)
+    start = 0
+    if HAS_STARTS:
+        start = tl.load(starts_ptr + row)
+    end = tl.minimum(tl.load(ends_ptr + row), N)
+    if end - start > TOPK:
+        prefix = 0
+        if PASS > 0:
+            prefix = tl.load(state_ptr + row * 2)
+        shift = 24 - 8 * PASS
+        high = 0 if PASS == 0 else -(1 << (32 - 8 * PASS))
+        lanes = tl.arange(0, BLOCK)
+        hist = tl.zeros((256,), tl.int32)
+        for c in range(start + pid_s * BLOCK, end, SPLIT * BLOCK):
+            i = c + lanes
+            ok = i < end
+            bits = tl.load(logits_ptr + row * stride_lr + i * stride_lc, mask=ok, other=0.0).to(tl.int32, bitcast=True)
+            key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+            digit = (key >> shift) & 0xFF
+            if PASS == 0:
+                digit = digit ^ 0x80
+            hist += tl.histogram(digit, 256, mask=ok & ((key & high) == prefix))
+        tl.atomic_add(hist_ptr + row * 256 + tl.arange(0, 256), hist, sem="relaxed")
+
+
+@triton.jit
+def _topk_split_choose_kernel(hist_ptr, state_ptr, TOPK, PASS: tl.constexpr):
+    """Per row: the digit of this pass, the prefix and count still to take (state), and a
+    zeroed histogram for the next pass."""
+    row = tl.program_id(0).to(tl.int64)
+    bins = tl.arange(0, 256)
+    hist = tl.load(hist_ptr + row * 256 + bins)
+    prefix = 0
+    remaining = TOPK
+    if PASS > 0:
+        prefix = tl.load(state_ptr + row * 2)
+        remaining = tl.load(state_ptr + row * 2 + 1)
+    at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, 0) + hist
+    chosen = tl.max(tl.where(at_or_above >= remaining, bins, -1), axis=0)
+    remaining -= tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
+    if PASS == 0:
+        chosen = chosen ^ 0x80
+    tl.store(state_ptr + row * 2, prefix | (chosen << (24 - 8 * PASS)))
+    tl.store(state_ptr + row * 2 + 1, remaining)
+    tl.store(hist_ptr + row * 256 + bins, tl.zeros((256,), tl.int32))
+
+
+@triton.jit
+def _topk_split_select_kernel(
+    logits_ptr, starts_ptr, ends_ptr, state_ptr, count_ptr, out_ptr,
+    N, TOPK, stride_lr, stride_lc, stride_or, SPLIT,
+    HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    pid_s = tl.program_id(1)
+    start = 0
+    if HAS_STARTS:
+        start = tl.load(starts_ptr + row)
+    end = tl.minimum(tl.load(ends_ptr + row), N)
+    length = tl.maximum(end - start, 0)
+    dst = out_ptr + row * stride_or
+    lanes = tl.arange(0, BLOCK)
+    if length <= TOPK:
+        for c in range(pid_s * BLOCK, TOPK, SPLIT * BLOCK):
+            i = c + lanes
+            tl.store(dst + i, tl.where(i < length, i, -1), mask=i < TOPK)
+    else:
+        threshold = tl.load(state_ptr + row * 2)
+        remaining = tl.load(state_ptr + row * 2 + 1)
+        for c in range(start + pid_s * BLOCK, end, SPLIT * BLOCK):
+            i = c + lanes
+            ok = i < end
+            bits = tl.load(logits_ptr + row * stride_lr + i * stride_lc, mask=ok, other=0.0).to(tl.int32, bitcast=True)
+            key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+            above = ok & (key > threshold)
+            tie = ok & (key == threshold)
+            n_above = tl.sum(above.to(tl.int32), axis=0)
+            n_tie = tl.sum(tie.to(tl.int32), axis=0)
+            first_above = tl.atomic_add(count_ptr + row * 2, n_above, sem="relaxed")
+            first_tie = tl.atomic_add(count_ptr + row * 2 + 1, n_tie, sem="relaxed")
+            tl.store(dst + first_above + tl.cumsum(above.to(tl.int32), 0) - 1, i - start, mask=above)
+            tie_rank = first_tie + tl.cumsum(tie.to(tl.int32), 0) - 1
+            take = tie & (tie_rank < remaining)
+            tl.store(dst + (TOPK - remaining) + tie_rank, i - start, mask=take)
+
+
+TOPK_SPLIT_ROWS = 16  # at most this many rows: the split kernels
+
+
+
+
 def top_k_per_row(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor, topk: int,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
     """Top-k of each logits row inside [starts[r], ends[r]) (starts None: 0), as positions
     relative to the start, int32 [rows, topk], -1 past the range's length. Triton radix select.
 
     Reads only the range, so logits made with clean_logits=False are fine; the range's own
-    values must not be NaN. Ties at the k-th value go to the lowest positions. No host
-    synchronisation (CUDA graphs).
+    values must not be NaN. `splits` programs share each row (default: 1, or enough to fill the
+    GPU when there are at most TOPK_SPLIT_ROWS rows); with one, ties at the k-th value go to
+    the lowest positions. No host synchronisation (CUDA graphs).
     """
     rows, n, out = _check_topk_args(logits, starts, ends, topk, out)
     if rows == 0:
@@ -501,13 +606,32 @@ def top_k_per_row(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch
     _check(out.stride(1) == 1, "top_k_per_row: out rows must be contiguous")
     _check(ends.dtype == torch.int32 and (starts is None or starts.dtype == torch.int32),
            "top_k_per_row: starts and ends must be int32")
-    _topk_kernel[(rows,)](
-        logits, ends if starts is None else starts, ends, out,
-        n, topk,
-        logits.stride(0), logits.stride(1), out.stride(0),
-        HAS_STARTS=starts is not None, BLOCK=TOPK_BLOCK,
-        num_warps=TOPK_WARPS,
-    )
+    if splits is None:
+        splits = 1
+        if logits.device.type == "cuda" and rows <= TOPK_SPLIT_ROWS:
+            splits = max(1, min(triton.cdiv(n, TOPK_BLOCK), (2 * _num_sms(logits.device.index or 0)) // rows))
+    starts_arg = ends if starts is None else starts
+    if splits == 1:
+        _topk_kernel[(rows,)](
+            logits, starts_arg, ends, out,
+            n, topk,
+            logits.stride(0), logits.stride(1), out.stride(0),
+            HAS_STARTS=starts is not None, BLOCK=TOPK_BLOCK,
+            num_warps=TOPK_WARPS,
+        )
+        return out
+    hist = torch.zeros((rows, 256), dtype=torch.int32, device=logits.device)
+    state = torch.zeros((rows, 2), dtype=torch.int32, device=logits.device)
+    counts = torch.zeros((rows, 2), dtype=torch.int32, device=logits.device)
+    for p in range(4):
+        _topk_split_hist_kernel[(rows, splits)](
+            logits, starts_arg, ends, hist, state, n, topk, logits.stride(0), logits.stride(1), splits,
+            PASS=p, HAS_STARTS=starts is not None, BLOCK=TOPK_BLOCK, num_warps=TOPK_WARPS)
+        _topk_split_choose_kernel[(rows,)](hist, state, topk, PASS=p, num_warps=1)
+    _topk_split_select_kernel[(rows, splits)](
+        logits, starts_arg, ends, state, counts, out, n, topk,
+        logits.stride(0), logits.stride(1), out.stride(0), splits,
+        HAS_STARTS=starts is not None, BLOCK=TOPK_BLOCK, num_warps=TOPK_WARPS)
     return out
 
 

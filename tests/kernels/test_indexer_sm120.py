@@ -70,10 +70,27 @@ for c in configs["paged"]:
         {"NP": c["next_n"], "HP": c["heads"], "D": 128, "BLOCK_SIZE": 64, "CTX_2D": c["ctx_2d"], "CLEAN": c["clean"]},
         num_warps=ix.DECODE_WARPS, num_stages=ix.DECODE_STAGES, aligned=PAGED_ALIGNED)))
 out["topk"] = []
+SPLIT_HIST_SIG = {"logits_ptr": "*fp32", "starts_ptr": "*i32", "ends_ptr": "*i32", "hist_ptr": "*i32",
+                  "state_ptr": "*i32", "N": "i32", "TOPK": "i32", "stride_lr": "i32", "stride_lc": "i32", "SPLIT": "i32"}
+SPLIT_SELECT_SIG = {"logits_ptr": "*fp32", "starts_ptr": "*i32", "ends_ptr": "*i32", "state_ptr": "*i32",
+                    "count_ptr": "*i32", "out_ptr": "*i32", "N": "i32", "TOPK": "i32", "stride_lr": "i32",
+                    "stride_lc": "i32", "stride_or": "i32", "SPLIT": "i32"}
 for c in configs["topk"]:
-    out["topk"].append(report(compile_for_sm120(
+    fit = []
+    fit.append(report(compile_for_sm120(
         ix._topk_kernel, TOPK_SIG, {"HAS_STARTS": c["starts"], "BLOCK": ix.TOPK_BLOCK},
         num_warps=ix.TOPK_WARPS, num_stages=1, aligned=("logits_ptr", "out_ptr", "stride_or"))))
+    for p in range(4):
+        fit.append(report(compile_for_sm120(
+            ix._topk_split_hist_kernel, SPLIT_HIST_SIG, {"PASS": p, "HAS_STARTS": c["starts"], "BLOCK": ix.TOPK_BLOCK},
+            num_warps=ix.TOPK_WARPS, num_stages=1, aligned=("logits_ptr", "hist_ptr"))))
+        fit.append(report(compile_for_sm120(
+            ix._topk_split_choose_kernel, {"hist_ptr": "*i32", "state_ptr": "*i32", "TOPK": "i32"}, {"PASS": p},
+            num_warps=1, num_stages=1, aligned=("hist_ptr",))))
+    fit.append(report(compile_for_sm120(
+        ix._topk_split_select_kernel, SPLIT_SELECT_SIG, {"HAS_STARTS": c["starts"], "BLOCK": ix.TOPK_BLOCK},
+        num_warps=ix.TOPK_WARPS, num_stages=1, aligned=("logits_ptr", "out_ptr", "stride_or"))))
+    out["topk"].append(fit)
 print(json.dumps(out))
 '''
 
@@ -96,10 +113,12 @@ def test_prefill_kernel_fits_sm120(reports: dict, index: int) -> None:
 
 
 @pytest.mark.parametrize("index", range(len(TOPK)), ids=[f"starts{c['starts']}" for c in TOPK])
-def test_topk_kernel_fits_sm120(reports: dict, index: int) -> None:
-    r = reports["topk"][index]
-    assert r["fits"], r["text"]
-    assert r["shared"] > 0  # the histogram
+def test_topk_kernels_fit_sm120(reports: dict, index: int) -> None:
+    kernels = reports["topk"][index]   # one program a row; the split path's hist x4, choose x4, select
+    assert len(kernels) == 10
+    for r in kernels:
+        assert r["fits"], r["text"]
+    assert kernels[0]["shared"] > 0 and kernels[1]["shared"] > 0  # the histograms
 
 
 @pytest.mark.parametrize("index", range(len(PAGED)),
