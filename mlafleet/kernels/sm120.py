@@ -13,8 +13,11 @@ assert `report.fits()`.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,8 +72,13 @@ def compile_for_sm120(fn: Any, signature: dict[str, str], constexprs: dict[str, 
     aligned: runtime arguments the launcher guarantees divisible by 16 (pointers: 16-byte
     aligned), as Triton's JIT specialises them at launch; this changes vectorisation and so
     the resources.
+
+    Under TRITON_INTERPRET=1 (the CPU test suite) Triton cannot compile in this process, so the
+    compilation runs in a child Python without it; `fn` must then be a module-level function.
     """
-    if not isinstance(fn, triton.runtime.JITFunction):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(fn, (triton.runtime.JITFunction, InterpretedFunction)):
         raise TypeError(f"compile_for_sm120: {fn!r} is not a @triton.jit function")
     names = list(fn.arg_names)
     unknown = (set(signature) | set(constexprs)) - set(names)
@@ -83,6 +91,9 @@ def compile_for_sm120(fn: Any, signature: dict[str, str], constexprs: dict[str, 
     if aligned - set(signature):
         raise ValueError(f"compile_for_sm120: aligned names {sorted(aligned - set(signature))} "
                          "are not runtime arguments")
+
+    if isinstance(fn, InterpretedFunction):
+        return _compile_in_child(fn, signature, constexprs, num_warps, num_stages, aligned, capability)
 
     full_signature = {n: signature.get(n, "constexpr") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
@@ -115,3 +126,28 @@ def _ptxas_usage(ptx: str, capability: int) -> tuple[int, int, int, int]:
         raise RuntimeError(f"cannot read ptxas -v output:\n{log[-2000:]}")
     stack, spill_st, spill_ld = (int(g) for g in spills.groups())
     return int(usage.group(1)), stack, spill_st, spill_ld
+
+
+def _compile_in_child(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], num_warps: int,
+                      num_stages: int, aligned: Iterable[str], capability: int) -> Sm120Report:
+    """compile_for_sm120 in a Python without TRITON_INTERPRET, importing fn's module by name."""
+    module, name = fn.fn.__module__, fn.fn.__name__
+    request = {"module": module, "name": name, "signature": signature, "constexprs": constexprs,
+               "num_warps": num_warps, "num_stages": num_stages, "aligned": sorted(aligned),
+               "capability": capability}
+    child = ("import importlib, json, sys, dataclasses\n"
+             "from mlafleet.kernels.sm120 import compile_for_sm120\n"
+             "r = json.loads(sys.stdin.read())\n"
+             "fn = getattr(importlib.import_module(r['module']), r['name'])\n"
+             "rep = compile_for_sm120(fn, r['signature'], r['constexprs'], r['num_warps'],\n"
+             "                        r['num_stages'], r['aligned'], r['capability'])\n"
+             "print('SM120REPORT ' + json.dumps(dataclasses.asdict(rep)))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    proc = subprocess.run([sys.executable, "-c", child], input=json.dumps(request), env=env,
+                          capture_output=True, text=True, check=False)
+    for line in proc.stdout.splitlines():
+        if line.startswith("SM120REPORT "):
+            return Sm120Report(**json.loads(line[len("SM120REPORT "):]))
+    raise RuntimeError(f"compile_for_sm120: compiling {module}.{name} in a child Python failed:\n"
+                       f"{(proc.stdout + proc.stderr)[-3000:]}")
