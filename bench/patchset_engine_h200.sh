@@ -18,7 +18,7 @@ python3 -c "import vllm.v1.attention.backends.registry as r; print(r.AttentionBa
 runs=()
 for kv in auto fp8_ds_mla; do
   for backend in FLASHMLA_SPARSE TRITON_MLA_SPARSE; do
-    log="$out/$backend-$kv.log"
+    log="$work/$backend-$kv.log"
     if python3 "$(dirname "$0")/patchset_engine.py" "$model" "$backend" "$kv" "$out/$backend-$kv.json" >"$log" 2>&1; then
       tail -1 "$log"; runs+=("$out/$backend-$kv.json")
     else
