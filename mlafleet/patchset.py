@@ -229,8 +229,9 @@ def fetch_wheel(spec: Spec, cache_dir: Path | None = None) -> Path:
     if not wheel.is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".download-") as tmp:
+            platform = spec.wheel_filename[:-len(".whl")].split("-")[-1]  # the pinned wheel's platform tag
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                   "--dest", tmp, f"vllm=={spec.version}"]
+                   "--platform", platform, "--dest", tmp, f"vllm=={spec.version}"]
             print(f"downloading {spec.wheel_filename} (once, into {cache_dir})", file=sys.stderr)
             result = subprocess.run(cmd, capture_output=True, text=True, check=False)
             fetched = Path(tmp) / spec.wheel_filename
