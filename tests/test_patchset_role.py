@@ -162,11 +162,15 @@ def test_unsupported_version_names_the_supported_ones(tmp_path: Path, install: P
     assert snapshot(site) == before
 
 
-def test_missing_build_fails_clearly(tmp_path: Path, install: Path) -> None:
+@pytest.mark.parametrize("exists", [True, False])
+def test_missing_build_fails_clearly(tmp_path: Path, install: Path, exists: bool) -> None:
     empty = tmp_path / "nothing-built"
-    empty.mkdir()
+    if exists:
+        empty.mkdir()
+    before = snapshot(site_of(install))
     rc, out, _ = play(tmp_path, install, empty)
-    assert rc != 0 and "No built patch set in" in out and "mlafleet patchset build --vllm" in out
+    assert rc != 0 and f"No built patch set in {empty}" in out and "mlafleet patchset build --vllm" in out
+    assert snapshot(site_of(install)) == before
 
 
 def test_missing_install_fails_and_changes_nothing_anywhere(tmp_path: Path, install: Path, build_dir: Path) -> None:

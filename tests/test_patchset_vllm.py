@@ -71,7 +71,7 @@ def overlay(built: Path, site_packages: Path, tmp_path_factory: pytest.TempPathF
 
 
 def run_vllm(python: str, args: list[str], pythonpath: Path | None, tmp: Path,
-             extra_env: dict[str, str] | None = None) -> tuple[int, dict]:
+             extra_env: dict[str, str] | None = None, marker: str = "mlafleet-proof:") -> tuple[int, dict]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update({"VLLM_CACHE_ROOT": str(tmp / "cache"), "XDG_CACHE_HOME": str(tmp / "cache"),
                 "HF_HUB_OFFLINE": "1", **(extra_env or {})})
@@ -79,10 +79,9 @@ def run_vllm(python: str, args: list[str], pythonpath: Path | None, tmp: Path,
         env["PYTHONPATH"] = str(pythonpath)
     result = subprocess.run([python, *args], capture_output=True, text=True, env=env, cwd=tmp,
                             timeout=300, check=False)
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
-    start = next((i for i, line in enumerate(lines) if line.startswith("{")), None)
-    assert start is not None, f"no JSON from {args[0]}: {result.stdout[-2000:]} {result.stderr[-3000:]}"
-    return result.returncode, json.loads("\n".join(lines[start:]))
+    marked = [line for line in result.stdout.splitlines() if line.startswith(marker)]
+    assert marked, f"no report from {args[0]}: {result.stdout[-2000:]} {result.stderr[-3000:]}"
+    return result.returncode, json.loads(marked[-1][len(marker):])
 
 
 def checks(report: dict) -> dict[str, object]:
@@ -134,7 +133,7 @@ def test_the_unpatched_install_fails_the_proof(vllm_python: str, tmp_path: Path)
 def test_backend_forward_through_vllm_index_conversion(vllm_python: str, overlay: Path,
                                                        tmp_path: Path) -> None:
     rc, report = run_vllm(vllm_python, [str(FORWARD), str(PROOF)], overlay, tmp_path,
-                          {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
+                          {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}, marker="backend-forward:")
     assert report["bf16_max_err"] < 2e-2 and report["fp8_max_err"] < 2e-2, report
     assert report["ref_max_abs"] > 0.5  # the reference is not trivially zero
     assert rc == 0

@@ -76,5 +76,5 @@ ref8, _ = sparse_mla.reference_sparse_mla_fp8(q, fp8.view(-1, 1, 656), expected_
 report["fp8_max_err"] = (run("fp8_ds_mla", fp8) - ref8).abs().max().item()
 report["ref_max_abs"] = ref.abs().max().item()
 report["ok"] = report["bf16_max_err"] < 2e-2 and report["fp8_max_err"] < 2e-2
-print(json.dumps(report))
+print("backend-forward: " + json.dumps(report))
 sys.exit(0 if report["ok"] else 1)

