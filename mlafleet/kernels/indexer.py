@@ -4,7 +4,8 @@ The indexer scores every (query token, cache position) pair with a small multi-h
 product and keeps each query's `topk` best positions. vLLM 0.20.2 computes the scores with
 DeepGEMM (`fp8_fp4_mqa_logits` for prefill, `fp8_fp4_paged_mqa_logits` for decode), which
 runs on SM90/SM100 only. The Triton kernels here compute the same thing on any GPU Triton
-targets (SM89 and newer: fp8 tensor-core dots), sized to fit SM120's 99 KB of shared memory.
+targets with fp8 tensor cores (compute capability 8.9 and newer; older GPUs get a clear
+error), sized to fit SM120's 99 KB of shared memory.
 
 The function, for query token m and key position n:
 
@@ -25,8 +26,9 @@ for D = 128, but the scale of token t of a block is NOT at bytes 128..131 of row
 `top_k_per_row` picks each row's `topk` largest logits inside [start, end) and writes their
 positions relative to `start`, -1 where the range holds fewer than `topk` positions, like
 vLLM's `top_k_per_row_prefill`/`top_k_per_row_decode` (the order inside a row is not part of
-the contract). It is an exact radix select in Triton (a few KB of shared memory);
-`top_k_per_row_torch` does the same through torch.topk.
+the contract). It is an exact radix select in Triton (a few KB of shared memory; for a few
+long rows, split over several programs a row); `top_k_per_row_torch` does the same through
+torch.topk.
 
 Readable float64 references (`*_reference`) sit beside each fast path; the tests compare them.
 This module imports only torch and triton.
@@ -65,6 +67,21 @@ def _default_splits(device: torch.device, programs: int, blocks: int) -> int:
         return max(1, min(blocks, 2))
     target = 4 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     return max(1, min(blocks, triton.cdiv(target, max(programs, 1))))
+
+
+@functools.cache
+def _fp8_dot_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+def _check_device(device: torch.device, what: str) -> None:
+    """The logits kernels feed fp8 straight to the tensor cores: compute capability 8.9+."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if not _fp8_dot_capable(index):
+            major, minor = torch.cuda.get_device_capability(index)
+            raise RuntimeError(f"{what}: the Triton indexer kernels need fp8 tensor cores (compute capability "
+                               f"8.9 or newer); this GPU is {major}.{minor}")
 
 
 def _check(cond: bool, message: str) -> None:
@@ -184,6 +201,7 @@ def mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, weights:
            f"mqa_logits: head_dim must be a power of two >= 16, got {D}")
     devices = {t.device for t in (q, k, k_scale, weights, ks, ke)}
     _check(len(devices) == 1, f"mqa_logits: all inputs must be on one device, got {devices}")
+    _check_device(q.device, "mqa_logits")
 
     logits = torch.empty((M, N), dtype=torch.float32, device=q.device)
     if M == 0 or N == 0:
@@ -359,6 +377,7 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
            f"paged_mqa_logits: head_dim must be a power of two >= 16, got {D}")
     devices = {t.device for t in (q, kv_cache, weights, context_lens, block_table)}
     _check(len(devices) == 1, f"paged_mqa_logits: all inputs must be on one device, got {devices}")
+    _check_device(q.device, "paged_mqa_logits")
 
     logits = torch.empty((B * next_n, max_model_len), dtype=torch.float32, device=q.device)
     if B == 0 or next_n == 0:

@@ -368,3 +368,12 @@ def test_bad_inputs_are_named() -> None:
         ix.paged_mqa_logits(qd, cache, w, torch.ones(3, dtype=torch.int32), table, 64)
     with pytest.raises(ValueError, match="ends must be"):
         ix.top_k_per_row(torch.zeros((2, 5)), None, torch.ones(3, dtype=torch.int32), 4)
+
+
+def test_gpus_without_fp8_tensor_cores_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SM8.0/8.6 (A100, A10) cannot run the fp8 dots: a clear error, not a compiler trace."""
+    monkeypatch.setattr(ix, "_fp8_dot_capable", lambda index: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 6))
+    with pytest.raises(RuntimeError, match=r"compute capability 8.9 or newer\); this GPU is 8.6"):
+        ix._check_device(torch.device("cuda", 0), "paged_mqa_logits")
+    ix._check_device(torch.device("cpu"), "paged_mqa_logits")  # the interpreter: no check
