@@ -9,7 +9,12 @@ Everything for one vLLM release lives in `files/vllm/<version>/`:
   `action` (insert_after | insert_before | replace) and `text`. Files are applied in sorted
   file-name order; several may target the same file;
 - `add/<path inside site-packages>`: new files shipped whole;
-- `manifest.json`: a copy of the manifest of a fresh build (a test keeps them equal).
+- `manifest.json`: a copy of the manifest of a fresh build (a test keeps them equal);
+  refresh it with `mlafleet patchset build --vllm <version> --update-manifest`.
+
+Indented code in `text`: a plain `|` block drops the common indentation, so give YAML an
+indentation indicator, e.g. `text: |2` under `  - why:` (the item's keys sit at column 4, the
+text's lines at column 6 plus the code's own indentation), as edits/backend-registry.yml does.
 
 `build(version, out_dir)` writes `<out_dir>/files/<path>` for every patched and added file and
 `<out_dir>/manifest.json`. The same inputs give byte-identical outputs; nothing in `out_dir`
@@ -224,8 +229,9 @@ def fetch_wheel(spec: Spec, cache_dir: Path | None = None) -> Path:
     if not wheel.is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".download-") as tmp:
+            platform = spec.wheel_filename[:-len(".whl")].split("-")[-1]  # the pinned wheel's platform tag
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                   "--dest", tmp, f"vllm=={spec.version}"]
+                   "--platform", platform, "--dest", tmp, f"vllm=={spec.version}"]
             print(f"downloading {spec.wheel_filename} (once, into {cache_dir})", file=sys.stderr)
             result = subprocess.run(cmd, capture_output=True, text=True, check=False)
             fetched = Path(tmp) / spec.wheel_filename

@@ -249,3 +249,26 @@ def test_real_patch_contents(fresh_build: Path) -> None:
     assert cuda.count("AttentionBackendEnum.TRITON_MLA_SPARSE,") == 1
     tail = cuda.split("AttentionBackendEnum.FLASHMLA_SPARSE,\n")[-1]
     assert "AttentionBackendEnum.TRITON_MLA_SPARSE,\n            ]" in tail
+
+
+def test_shipped_kernel_modules_import_only_torch_and_triton(repo_root: Path) -> None:
+    """A module copied into vllm/third_party/mlafleet_kernels/ cannot import mlafleet there."""
+    import ast
+    import sys
+
+    spec = patchset.load_spec(VERSION)
+    assert spec.ship, "the 0.20.2 patch set ships the sparse MLA kernels"
+    for src, _ in spec.ship:
+        tree = ast.parse((repo_root / src).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                roots = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{src}: relative import (line {node.lineno})"
+                roots = [(node.module or "").split(".")[0]]
+            else:
+                continue
+            for root in roots:
+                assert root in ("torch", "triton") or root in sys.stdlib_module_names, (
+                    f"{src} imports {root} (line {node.lineno}): shipped kernels import only "
+                    "torch, triton and the standard library")
