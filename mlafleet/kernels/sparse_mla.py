@@ -11,13 +11,25 @@ The contract is the one of vLLM 0.20.2's FlashMLA sparse calls (DESIGN.md sectio
 fp8_ds_mla: 656 bytes per token. Bytes 0-511: 512 float8_e4m3 values; 512-527: four
 float32 scales, one per 128 values (x = fp8 * scale); 528-655: the 64 bf16 RoPE values.
 
-This module holds the readable float32 references, the fp8_ds_mla quantiser, and the
-public entry points. It imports only torch and triton.
+This module holds the readable float32 references and the fp8_ds_mla quantiser (the ground
+truth), the Triton kernels with their launcher, and the public entry points
+sparse_mla_fwd / sparse_mla_fwd_fp8. It imports only torch and triton.
+
+On a CUDA GPU the kernels are compiled; with TRITON_INTERPRET=1 set before triton is imported
+they run on CPU tensors in Triton's interpreter (the CI tests). Every config the launcher can
+choose fits SM120 (sm120_compile_specs, checked by tests/kernels/test_sparse_mla_sm120.py).
+Benchmark against FlashMLA: bench/sparse_mla.py, results in docs/perf-kernels.md.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 D_NOPE = 512  # latent part of a token: the value vector
 D_ROPE = 64  # RoPE part, only in the key
@@ -30,6 +42,7 @@ FP8_TOKEN_BYTES = D_NOPE + 4 * FP8_GROUPS + 2 * D_ROPE  # 656
 FP8_SCALE_OFFSET = D_NOPE  # 512
 FP8_ROPE_OFFSET = D_NOPE + 4 * FP8_GROUPS  # 528
 FP8_BLOCK_SIZE = 64  # tokens per cache block for fp8_ds_mla
+LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2
 
 
 # --------------------------------------------------------------------------------------
@@ -170,18 +183,390 @@ def _fp8_rows(kv_cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------
+# Triton kernels
+#
+# One program = one query token x one block of heads x one slice ("split") of the token's
+# topk indices. It gathers BLOCK_N keys at a time (64-bit row offsets, masked: an invalid
+# index never reads the cache), computes the logits with tensor-core dots, and keeps an
+# online softmax. With one split it writes the bf16 output and the LSE; with several it
+# writes float32 partial outputs and partial LSEs, and _merge_splits_kernel combines them.
+#
+# --------------------------------------------------------------------------------------
+
+@triton.jit
+def _issue_key_loads(row, valid, FP8: tl.constexpr):
+    """Start loading BLOCK_N gathered keys: 4 raw groups of 128 latent values, 4 fp8 scales
+    (1.0 for bf16), the 64 RoPE values. Nothing here uses the loaded values, so the loads stay
+    in flight while the previous tile is computed. row: per key, a pointer to its first byte
+    (fp8_ds_mla) or element (bf16); invalid keys read nothing."""
+    cols = tl.arange(0, 128)
+    d_rope = tl.arange(0, 64)
+    m = valid[:, None]
+    g0 = tl.load(row[:, None] + cols[None, :], mask=m, other=0)
+    g1 = tl.load(row[:, None] + (128 + cols)[None, :], mask=m, other=0)
+    g2 = tl.load(row[:, None] + (256 + cols)[None, :], mask=m, other=0)
+    g3 = tl.load(row[:, None] + (384 + cols)[None, :], mask=m, other=0)
+    if FP8:
+        scales = (row + 512).to(tl.pointer_type(tl.float32))
+        s0 = tl.load(scales + 0, mask=valid, other=0.0)
+        s1 = tl.load(scales + 1, mask=valid, other=0.0)
+        s2 = tl.load(scales + 2, mask=valid, other=0.0)
+        s3 = tl.load(scales + 3, mask=valid, other=0.0)
+        rope = tl.load((row + 528).to(tl.pointer_type(tl.bfloat16))[:, None] + d_rope[None, :], mask=m, other=0.0)
+    else:
+        s0 = tl.full(valid.shape, 1.0, tl.float32)
+        s1 = s0
+        s2 = s0
+        s3 = s0
+        rope = tl.load(row[:, None] + (512 + d_rope)[None, :], mask=m, other=0.0)
+    return g0, g1, g2, g3, s0, s1, s2, s3, rope
+
+
+@triton.jit
+def _key_group(raw, scale, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """A loaded group as a dot operand. fp8_ds_mla: float8_e4m3 times its group's float32
+    scale, a power of two, so the bf16 product is exact."""
+    if FP8:
+        return (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]).to(DOT_DTYPE)
+    else:
+        return raw.to(DOT_DTYPE)
+
+
+@triton.jit
+def _sparse_mla_kernel(
+    Q, stride_q_tok, stride_q_head, stride_q_dim,
+    KV, stride_kv_tok,  # bf16 cache: elements between tokens; fp8_ds_mla: bytes between tokens
+    n_slots,
+    IDX, stride_idx_tok, stride_idx_k,
+    OUT, stride_out_tok, stride_out_split, stride_out_head,
+    LSE, stride_lse_tok, stride_lse_split, stride_lse_head,
+    h_q, topk, tokens_per_split, n_split, n_head_blocks,
+    qk_scale_log2,  # sm_scale * log2(e): the softmax runs in base 2
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,  # KV is the fp8_ds_mla byte layout
+    PARTIAL: tl.constexpr,  # write float32 partials (several splits) instead of the final bf16
+    PREFETCH: tl.constexpr,  # issue the next tile's gathers before this tile's math
+    DOT_F32: tl.constexpr,  # interpreter: bf16 tl.dot is wrong there, so dot in float32
+):
+    # The 512 latent dims are handled as 4 groups of 128 (the fp8 scale groups): 4 key tiles,
+    # 4 query tiles, 4 accumulators. The 64 RoPE dims only enter the logits.
+    pid = tl.program_id(0)
+    head_block = pid % n_head_blocks
+    rest = pid // n_head_blocks
+    split = rest % n_split
+    tok = (rest // n_split).to(tl.int64)
+    dot_dtype: tl.constexpr = tl.float32 if DOT_F32 else tl.bfloat16
+
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < h_q  # heads past h_q are neither read nor written
+    d128 = tl.arange(0, 128)
+    d_rope = tl.arange(0, 64)
+    q_base = Q + tok * stride_q_tok + heads.to(tl.int64)[:, None] * stride_q_head
+    q0 = tl.load(q_base + (0 + d128)[None, :] * stride_q_dim, mask=head_ok[:, None], other=0.0).to(dot_dtype)
+    q1 = tl.load(q_base + (128 + d128)[None, :] * stride_q_dim, mask=head_ok[:, None], other=0.0).to(dot_dtype)
+    q2 = tl.load(q_base + (256 + d128)[None, :] * stride_q_dim, mask=head_ok[:, None], other=0.0).to(dot_dtype)
+    q3 = tl.load(q_base + (384 + d128)[None, :] * stride_q_dim, mask=head_ok[:, None], other=0.0).to(dot_dtype)
+    q_rope = tl.load(q_base + (512 + d_rope)[None, :] * stride_q_dim, mask=head_ok[:, None],
+                     other=0.0).to(dot_dtype)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of the logits (base 2)
+    l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(logit - m_i)
+    acc0 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
+
+    # PREFETCH: a software pipeline. The indices run two tiles ahead and the key gathers one
+    # tile ahead of the math, so tile i+1's loads are in flight while tile i is computed. It
+    # pays where the loaded bytes must pass through registers anyway (fp8: converted before
+    # the dot) and costs registers and occupancy otherwise (H200: bf16 slower with it).
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, topk)
+    idx_base = IDX + tok * stride_idx_tok
+    if PREFETCH:
+        offs = start + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_base + offs * stride_idx_k, mask=offs < end, other=-1)
+        valid = (idx >= 0) & (idx < n_slots)
+        row = KV + tl.where(valid, idx, 0).to(tl.int64) * stride_kv_tok  # 64-bit: caches pass 2^31 B
+        g0, g1, g2, g3, s0, s1, s2, s3, g_rope = _issue_key_loads(row, valid, FP8)
+        offs_next = offs + BLOCK_N
+        idx_next = tl.load(idx_base + offs_next * stride_idx_k, mask=offs_next < end, other=-1)
+    for n0 in range(0, tokens_per_split, BLOCK_N):  # the last split may be shorter: masked
+        if PREFETCH:
+            valid_next = (idx_next >= 0) & (idx_next < n_slots)
+            row_next = KV + tl.where(valid_next, idx_next, 0).to(tl.int64) * stride_kv_tok
+            n_g0, n_g1, n_g2, n_g3, n_s0, n_s1, n_s2, n_s3, n_rope = _issue_key_loads(row_next, valid_next, FP8)
+            offs_after = start + n0 + 2 * BLOCK_N + tl.arange(0, BLOCK_N)
+            idx_after = tl.load(idx_base + offs_after * stride_idx_k, mask=offs_after < end, other=-1)
+        else:
+            offs = start + n0 + tl.arange(0, BLOCK_N)
+            idx = tl.load(idx_base + offs * stride_idx_k, mask=offs < end, other=-1)
+            valid = (idx >= 0) & (idx < n_slots)
+            row = KV + tl.where(valid, idx, 0).to(tl.int64) * stride_kv_tok  # 64-bit offsets
+            g0, g1, g2, g3, s0, s1, s2, s3, g_rope = _issue_key_loads(row, valid, FP8)
+
+        k0 = _key_group(g0, s0, FP8, dot_dtype)
+        k1 = _key_group(g1, s1, FP8, dot_dtype)
+        k2 = _key_group(g2, s2, FP8, dot_dtype)
+        k3 = _key_group(g3, s3, FP8, dot_dtype)
+        k_rope = g_rope.to(dot_dtype)
+        logits = tl.dot(q_rope, tl.trans(k_rope))
+        logits = tl.dot(q0, tl.trans(k0), logits)
+        logits = tl.dot(q1, tl.trans(k1), logits)
+        logits = tl.dot(q2, tl.trans(k2), logits)
+        logits = tl.dot(q3, tl.trans(k3), logits)
+        logits = tl.where(valid[None, :], logits * qk_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(logits, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet: avoid inf - inf
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(logits - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(dot_dtype)
+        acc0 = tl.dot(p, k0, acc0 * alpha[:, None])
+        acc1 = tl.dot(p, k1, acc1 * alpha[:, None])
+        acc2 = tl.dot(p, k2, acc2 * alpha[:, None])
+        acc3 = tl.dot(p, k3, acc3 * alpha[:, None])
+        m_i = m_new
+
+        if PREFETCH:
+            valid = valid_next
+            g0, g1, g2, g3, s0, s1, s2, s3, g_rope = n_g0, n_g1, n_g2, n_g3, n_s0, n_s1, n_s2, n_s3, n_rope
+            idx_next = idx_after
+
+    has_any = l_i > 0.0
+    l_safe = tl.where(has_any, l_i, 1.0)
+    m_safe = tl.where(has_any, m_i, 0.0)
+    inv_l = tl.where(has_any, 1.0 / l_safe, 0.0)[:, None]
+    empty_lse = float("-inf") if PARTIAL else float("inf")  # +inf is the contract's "no token"
+    lse = tl.where(has_any, (m_safe + tl.log2(l_safe)) * 0.6931471805599453, empty_lse)  # natural log
+
+    out_base = (OUT + tok * stride_out_tok + split * stride_out_split
+                + heads.to(tl.int64)[:, None] * stride_out_head + d128[None, :])
+    out_dtype = OUT.dtype.element_ty
+    tl.store(out_base + 0, (acc0 * inv_l).to(out_dtype), mask=head_ok[:, None])
+    tl.store(out_base + 128, (acc1 * inv_l).to(out_dtype), mask=head_ok[:, None])
+    tl.store(out_base + 256, (acc2 * inv_l).to(out_dtype), mask=head_ok[:, None])
+    tl.store(out_base + 384, (acc3 * inv_l).to(out_dtype), mask=head_ok[:, None])
+    lse_ptrs = LSE + tok * stride_lse_tok + split * stride_lse_split + heads * stride_lse_head
+    tl.store(lse_ptrs, lse, mask=head_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    PART_OUT, stride_po_tok, stride_po_split, stride_po_head,
+    PART_LSE, stride_pl_tok, stride_pl_split, stride_pl_head,
+    OUT, stride_out_tok, stride_out_head,
+    LSE, stride_lse_tok, stride_lse_head,
+    h_q, n_split,
+    BLOCK_SPLIT: tl.constexpr,
+):
+    """out = sum_i exp(lse_i - lse) * out_i, lse = log(sum_i exp(lse_i)).
+
+    One program per (token, head, 128 of the 512 output dims), all splits in one tile.
+    """
+    pid = tl.program_id(0)
+    chunk = pid % 4
+    tok = (pid // (4 * h_q)).to(tl.int64)
+    head = (pid // 4) % h_q
+    splits = tl.arange(0, BLOCK_SPLIT)
+    split_ok = splits < n_split
+    pl = PART_LSE + tok * stride_pl_tok + head * stride_pl_head
+    lse_parts = tl.load(pl + splits * stride_pl_split, mask=split_ok, other=float("-inf"))
+    m = tl.max(lse_parts, 0)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    weights = tl.exp(lse_parts - m_ref)  # empty splits (lse -inf) weigh 0
+    total = tl.sum(weights, 0)
+
+    d = chunk * 128 + tl.arange(0, 128)
+    po = (PART_OUT + tok * stride_po_tok + head * stride_po_head
+          + splits[:, None].to(tl.int64) * stride_po_split + d[None, :])
+    parts = tl.load(po, mask=split_ok[:, None], other=0.0)
+    has_any = total > 0.0
+    out = tl.sum(parts * weights[:, None], 0) * tl.where(has_any, 1.0 / tl.where(has_any, total, 1.0), 0.0)
+    tl.store(OUT + tok * stride_out_tok + head * stride_out_head + d, out.to(OUT.dtype.element_ty))
+    if chunk == 0:
+        lse = tl.where(has_any, m_ref + tl.log(tl.where(has_any, total, 1.0)), float("inf"))
+        tl.store(LSE + tok * stride_lse_tok + head * stride_lse_head, lse)
+
+
+# --------------------------------------------------------------------------------------
+# launcher
+# --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_h: int  # heads per program (tl.dot needs at least 16; the rest is masked)
+    block_n: int  # keys gathered per step
+    num_warps: int
+    num_stages: int
+
+
+# The only configs the launcher can choose, by (cache dtype, head block). Every one must fit
+# SM120 (99 KB of shared memory, no register spills) for its dtype:
+# tests/kernels/test_sparse_mla_sm120.py compiles each for sm_120.
+CONFIGS: dict[tuple[str, int], KernelConfig] = {
+    ("bf16", 16): KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
+    ("fp8", 16): KernelConfig(block_h=16, block_n=32, num_warps=8, num_stages=1),
+    ("fp8", 32): KernelConfig(block_h=32, block_n=32, num_warps=8, num_stages=2),
+}
+MAX_SPLITS = 64  # the merge kernel holds all splits of a row in one tile
+MERGE_NUM_WARPS = 4
+DEFAULT_NUM_SMS = 132  # used where no CUDA device answers (the interpreter)
+PROGRAMS_PER_SM = 2  # split topk until the grid has about this many programs per SM ...
+MIN_SPLIT_TOKENS = 64  # ... but give each split at least this many keys (H200 sweep, docs/perf-kernels.md)
+
+
+def choose_config(h_q: int, fp8: bool = False) -> KernelConfig:
+    """The head block. bf16: 16 (on the H200 as fast as or faster than 32 for every head count
+    measured). fp8: 16 up to 16 heads, else 32, so that fewer programs convert the same keys."""
+    if not fp8:
+        return CONFIGS[("bf16", 16)]
+    return CONFIGS[("fp8", 16 if h_q <= 16 else 32)]
+
+
+def choose_num_splits(s_q: int, n_head_blocks: int, topk: int, block_n: int, num_sms: int) -> int:
+    """Split each row's topk across programs when s_q x head blocks cannot fill the GPU."""
+    programs = s_q * n_head_blocks
+    wanted = math.ceil(PROGRAMS_PER_SM * num_sms / programs)
+    most = min(MAX_SPLITS, max(1, topk // max(MIN_SPLIT_TOKENS, block_n)))
+    return max(1, min(wanted, most))
+
+
+def sm120_compile_specs() -> list[dict]:
+    """Everything the launcher can launch, as arguments of sm120.compile_for_sm120.
+
+    Each config in CONFIGS for its cache dtype and both output modes, plus the merge kernel,
+    with the specialisations Triton's JIT makes at a typical launch (contiguous last dims are
+    stride 1, token strides and pointers divisible by 16).
+    """
+    specs = []
+    for (dtype, _), cfg in CONFIGS.items():
+        fp8 = dtype == "fp8"
+        for partial in (False, True):
+            signature = {
+                "Q": "*bf16", "stride_q_tok": "i32", "stride_q_head": "i32",
+                "KV": "*u8" if fp8 else "*bf16", "stride_kv_tok": "i32", "n_slots": "i32",
+                "IDX": "*i32", "stride_idx_tok": "i32",
+                "OUT": "*fp32" if partial else "*bf16", "stride_out_tok": "i32",
+                "stride_out_split": "i32", "stride_out_head": "i32",
+                "LSE": "*fp32", "stride_lse_tok": "i32", "stride_lse_split": "i32",
+                "stride_lse_head": "i32", "h_q": "i32", "topk": "i32", "tokens_per_split": "i32",
+                "n_split": "i32", "n_head_blocks": "i32", "qk_scale_log2": "fp32",
+            }
+            constexprs = {"stride_q_dim": 1, "stride_idx_k": 1, "BLOCK_H": cfg.block_h,
+                          "BLOCK_N": cfg.block_n, "FP8": fp8, "PARTIAL": partial, "PREFETCH": fp8,
+                          "DOT_F32": False}
+            aligned = ["Q", "KV", "IDX", "OUT", "LSE", "stride_q_tok", "stride_q_head",
+                       "stride_kv_tok", "stride_out_tok", "stride_out_head"]
+            specs.append({"fn": _sparse_mla_kernel, "signature": signature, "constexprs": constexprs,
+                          "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "aligned": aligned})
+    merge_sig = {"PART_OUT": "*fp32", "stride_po_tok": "i32", "stride_po_split": "i32",
+                 "stride_po_head": "i32", "PART_LSE": "*fp32", "stride_pl_tok": "i32",
+                 "stride_pl_split": "i32", "stride_pl_head": "i32", "OUT": "*bf16",
+                 "stride_out_tok": "i32", "stride_out_head": "i32", "LSE": "*fp32",
+                 "stride_lse_tok": "i32", "stride_lse_head": "i32", "h_q": "i32", "n_split": "i32"}
+    for block_split in (2, 4, 8, 16, 32, 64):  # next_power_of_2(num_splits), num_splits <= 64
+        specs.append({"fn": _merge_splits_kernel, "signature": merge_sig,
+                      "constexprs": {"BLOCK_SPLIT": block_split}, "num_warps": MERGE_NUM_WARPS,
+                      "num_stages": 1, "aligned": ["PART_OUT", "OUT", "LSE", "PART_LSE"]})
+    return specs
+
+
+def _interpreted() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return isinstance(_sparse_mla_kernel, InterpretedFunction)
+
+
+def _run(q: torch.Tensor, kv: torch.Tensor, stride_kv_tok: int, n_slots: int, indices: torch.Tensor,
+         sm_scale: float, fp8: bool, num_splits: int | None,
+         config: KernelConfig | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if q.dtype != torch.bfloat16:
+        raise TypeError(f"sparse MLA: q must be bfloat16, got {q.dtype}")
+    if not math.isfinite(sm_scale):
+        raise ValueError(f"sparse MLA: sm_scale must be finite, got {sm_scale}")
+    interpreted = _interpreted()
+    if not interpreted and q.device.type != "cuda":
+        raise ValueError(f"sparse MLA: tensors must be on a CUDA device, got {q.device} "
+                         "(CPU tensors run only under TRITON_INTERPRET=1, set before triton is imported)")
+    s_q, h_q, _ = q.shape
+    topk = indices.shape[2]
+    cfg = config or choose_config(h_q, fp8)
+    n_head_blocks = triton.cdiv(h_q, cfg.block_h)
+    if num_splits is None:
+        num_sms = (DEFAULT_NUM_SMS if interpreted
+                   else torch.cuda.get_device_properties(q.device).multi_processor_count)
+        num_splits = choose_num_splits(s_q, n_head_blocks, topk, cfg.block_n, num_sms)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"sparse MLA: num_splits must be 1 to {MAX_SPLITS}, got {num_splits}")
+    tokens_per_split = triton.cdiv(triton.cdiv(topk, num_splits), cfg.block_n) * cfg.block_n
+    num_splits = triton.cdiv(topk, tokens_per_split)  # no empty trailing split
+
+    out = torch.empty(s_q, h_q, D_NOPE, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
+    if s_q == 0 or h_q == 0:
+        return out, lse
+    partial = num_splits > 1
+    if partial:
+        dst_out = torch.empty(s_q, num_splits, h_q, D_NOPE, dtype=torch.float32, device=q.device)
+        dst_lse = torch.empty(s_q, num_splits, h_q, dtype=torch.float32, device=q.device)
+        out_strides = (dst_out.stride(0), dst_out.stride(1), dst_out.stride(2))
+        lse_strides = (dst_lse.stride(0), dst_lse.stride(1), dst_lse.stride(2))
+    else:
+        dst_out, dst_lse = out, lse
+        out_strides = (out.stride(0), 0, out.stride(1))
+        lse_strides = (lse.stride(0), 0, lse.stride(1))
+
+    grid = (s_q * num_splits * n_head_blocks,)
+    _sparse_mla_kernel[grid](
+        q, q.stride(0), q.stride(1), q.stride(2),
+        kv, stride_kv_tok, n_slots,
+        indices, indices.stride(0), indices.stride(2),
+        dst_out, *out_strides,
+        dst_lse, *lse_strides,
+        h_q, topk, tokens_per_split, num_splits, n_head_blocks,
+        sm_scale * LOG2E,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, FP8=fp8, PARTIAL=partial,
+        PREFETCH=fp8,  # measured on the H200: faster for fp8, slower for bf16 (docs/perf-kernels.md)
+        DOT_F32=interpreted,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if partial:
+        _merge_splits_kernel[(s_q * h_q * 4,)](
+            dst_out, dst_out.stride(0), dst_out.stride(1), dst_out.stride(2),
+            dst_lse, dst_lse.stride(0), dst_lse.stride(1), dst_lse.stride(2),
+            out, out.stride(0), out.stride(1),
+            lse, lse.stride(0), lse.stride(1),
+            h_q, num_splits,
+            BLOCK_SPLIT=triton.next_power_of_2(num_splits), num_warps=MERGE_NUM_WARPS,
+        )
+    return out, lse
+
+
+
+# --------------------------------------------------------------------------------------
 # public entry points
 # --------------------------------------------------------------------------------------
 
 def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
-                   d_v: int = D_NOPE) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse MLA with a bf16 KV cache: (out [s_q, h_q, 512] bf16, lse [s_q, h_q] float32)."""
-    out, lse = reference_sparse_mla(q, kv, indices, sm_scale, d_v)
-    return out.to(torch.bfloat16), lse
+                   d_v: int = D_NOPE, *, num_splits: int | None = None,
+                   config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA with a bf16 KV cache: (out [s_q, h_q, 512] bf16, lse [s_q, h_q] float32).
+
+    num_splits and config override the launcher's choices (tests and benchmarks).
+    """
+    _check_common(q, indices, d_v)
+    _check_bf16_kv(kv, q)
+    if kv.dtype != torch.bfloat16:
+        raise TypeError(f"sparse MLA: kv must be bfloat16, got {kv.dtype}")
+    if kv.stride(2) != 1:
+        raise ValueError("sparse MLA: the 576 values of a kv token must be contiguous")
+    return _run(q, kv, kv.stride(0), kv.shape[0], indices, float(sm_scale), False, num_splits, config)
 
 
 def sparse_mla_fwd_fp8(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
-                       sm_scale: float, d_v: int = D_NOPE) -> tuple[torch.Tensor, torch.Tensor]:
+                       sm_scale: float, d_v: int = D_NOPE, *, num_splits: int | None = None,
+                       config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA over an fp8_ds_mla cache: (out [s_q, h_q, 512] bf16, lse [s_q, h_q] float32)."""
-    out, lse = reference_sparse_mla_fp8(q, kv_cache, indices, sm_scale, d_v)
-    return out.to(torch.bfloat16), lse
+    _check_common(q, indices, d_v)
+    rows = _fp8_rows(kv_cache, q)
+    return _run(q, rows, rows.stride(0), rows.shape[0], indices, float(sm_scale), True, num_splits, config)

@@ -1,0 +1,592 @@
+#!/usr/bin/python3
+"""Stage a model's GGUF shards into a directory, verified against a manifest.
+
+This file is the one place where staging happens. It runs on a host (as the Ansible module
+`gguf_weights_stage`, shipped by the gguf_weights role) and on the controller (imported by
+`mlafleet weights stage`), so everything above `main()` uses the standard library only:
+hosts carry nothing but Debian's python3.
+
+For every shard of the manifest:
+  - a verified shard with a matching stamp (size, mtime_ns, sha256) costs one stat;
+  - otherwise the bytes land in `<name>.partial`, resumed from wherever a previous run
+    stopped, are checked against the manifest's sha256, then renamed atomically;
+  - the free space for every byte still to come is checked before the first byte is written;
+  - at the end, all N of N shards must be present and verified, or the run fails.
+
+Sources are tried in order for each shard: `http` (a mirror, ranged requests), `hub` (a model
+hub with a bearer token that never appears in output), `path` (a local or shared directory),
+`peer` (rsync over SSH from a host that already holds verified shards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shlex
+import subprocess
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol
+
+DOCUMENTATION = r"""
+module: gguf_weights_stage
+short_description: Stage GGUF shards verified against a sha256 manifest
+description:
+  - Fetches missing shards into C(.partial) files with resume, verifies their sha256, renames
+    them atomically and stamps them so that re-runs cost one stat per shard.
+  - Fails before the first byte when the filesystem lacks space for the remaining bytes, and
+    fails at the end unless all N of N shards are present and verified.
+options:
+  dest: {description: Directory that receives the shards., type: path, required: true}
+  shards:
+    description: The manifest's shards, each with C(name), C(size) and C(sha256).
+    type: list
+    elements: dict
+    required: true
+  sources:
+    description: Sources tried in order for each shard (C(type) http, hub, path or peer).
+    type: list
+    elements: dict
+    default: []
+  state:
+    description: C(staged) fetches what is missing; C(verified) only proves that all shards are present.
+    type: str
+    choices: [staged, verified]
+    default: staged
+  verify: {description: C(stamp) trusts matching stamps; C(full) re-hashes every shard., type: str, default: stamp}
+  retries: {description: Extra attempts per source and shard after a failed or corrupt download., type: int, default: 2}
+  reserve_mb: {description: Free space to keep on the filesystem beyond the shards., type: int, default: 1024}
+  timeout: {description: Network timeout in seconds., type: int, default: 60}
+"""
+
+CHUNK = 8 << 20
+STAMP_DIR = ".mlafleet-stamps"
+SHARD_RE = re.compile(r"^(?P<model>[^/]+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+Log = Callable[[str], None]
+
+
+class StageError(Exception):
+    """A staging failure with a message that names the problem (never a secret)."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    name: str
+    size: int
+    sha256: str
+
+
+def parse_shards(entries: list[dict]) -> list[Shard]:
+    """Validate the manifest's shard list: one model, shards 1..N of N exactly once each."""
+    if not entries:
+        raise StageError("manifest lists no shards")
+    shards: list[Shard] = []
+    models: set[str] = set()
+    counts: set[int] = set()
+    numbers: list[int] = []
+    for entry in entries:
+        name = entry.get("name") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or not SHARD_RE.match(name):
+            raise StageError(f"manifest shard name {name!r} is not of the form <model>-0000K-of-0000N.gguf")
+        size, sha = entry.get("size"), str(entry.get("sha256", "")).lower()
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise StageError(f"manifest shard {name}: size {size!r} is not a non-negative integer")
+        if not SHA256_RE.match(sha):
+            raise StageError(f"manifest shard {name}: sha256 {entry.get('sha256')!r} is not 64 hex digits")
+        match = SHARD_RE.match(name)
+        models.add(match["model"])
+        counts.add(int(match["count"]))
+        numbers.append(int(match["no"]))
+        shards.append(Shard(name, size, sha))
+    if len(models) != 1 or len(counts) != 1:
+        raise StageError(f"manifest mixes models or shard counts: {sorted(s.name for s in shards)}")
+    count = counts.pop()
+    expected = list(range(1, count + 1))
+    if sorted(numbers) != expected:
+        missing = sorted(set(expected) - set(numbers))
+        extra = sorted(n for n in set(numbers) if numbers.count(n) > 1 or not 1 <= n <= count)
+        raise StageError(f"manifest does not list shards 1..{count} of {count} exactly once "
+                         f"(missing {missing}, duplicate or out of range {extra})")
+    return sorted(shards, key=lambda s: s.name)
+
+
+def sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# --- stamps: what makes a re-run cost a stat -------------------------------------------------
+
+def stamp_path(dest: str, name: str) -> str:
+    return os.path.join(dest, STAMP_DIR, name + ".json")
+
+
+def read_stamp(dest: str, name: str) -> dict | None:
+    try:
+        with open(stamp_path(dest, name), encoding="utf-8") as handle:
+            stamp = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    return stamp if isinstance(stamp, dict) else None
+
+
+def stamp_matches(dest: str, shard: Shard) -> bool:
+    """True when the shard's file is exactly what was verified (same size, mtime_ns, sha256)."""
+    stamp = read_stamp(dest, shard.name)
+    try:
+        st = os.stat(os.path.join(dest, shard.name))
+    except FileNotFoundError:
+        return False
+    return (stamp is not None and stamp.get("sha256") == shard.sha256 and stamp.get("size") == st.st_size
+            == shard.size and stamp.get("mtime_ns") == st.st_mtime_ns)
+
+
+def write_stamp(dest: str, shard: Shard, source: str) -> None:
+    st = os.stat(os.path.join(dest, shard.name))
+    stamp = {"name": shard.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": shard.sha256,
+             "source": source}
+    path = stamp_path(dest, shard.name)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(stamp, handle, sort_keys=True)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+# --- sources ---------------------------------------------------------------------------------
+
+class Source(Protocol):
+    label: str
+
+    def fetch(self, shard: Shard, partial: str) -> str | None:
+        """Make `partial` hold the shard's `size` bytes, resuming from its current length.
+
+        Returns the sha256 of the bytes when it was computed on the way in, else None.
+        """
+
+
+def redact(text: str, secrets: list[str]) -> str:
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "********")
+    return text
+
+
+class _SameOriginAuthRedirect(urllib.request.HTTPRedirectHandler):
+    """Follow redirects, but never carry the Authorization header to another host (hub CDNs)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001, ANN201
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and urllib.parse.urlsplit(newurl).netloc != urllib.parse.urlsplit(req.full_url).netloc:
+            for key in [k for k in new.headers if k.lower() == "authorization"]:
+                del new.headers[key]
+            new.unredirected_hdrs.pop("Authorization", None)
+        return new
+
+
+def hash_prefix(path: str, length: int) -> "hashlib._Hash":
+    """A sha256 object fed with the first `length` bytes of `path` (what a resumed download keeps)."""
+    digest = hashlib.sha256()
+    if length:
+        with open(path, "rb") as handle:
+            while length and (chunk := handle.read(min(CHUNK, length))):
+                digest.update(chunk)
+                length -= len(chunk)
+    return digest
+
+
+def _truncate(path: str, size: int) -> None:
+    with open(path, "ab") as handle:
+        handle.truncate(size)
+
+
+@dataclass
+class HttpSource:
+    """An HTTP(S) mirror serving `<base_url>/<shard name>`; a broken download resumes with Range."""
+
+    base_url: str
+    timeout: float = 60.0
+    headers: dict[str, str] = field(default_factory=dict)
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        if urllib.parse.urlsplit(self.base_url).scheme not in ("http", "https"):
+            raise StageError(f"http source URL {self.base_url!r} is not http:// or https://")
+        self.label = self.label or f"http:{self.base_url}"
+
+    def url(self, name: str) -> str:
+        return self.base_url.rstrip("/") + "/" + urllib.parse.quote(name)
+
+    def request(self, name: str, offset: int) -> urllib.request.Request:
+        headers = dict(self.headers)
+        if offset:
+            headers["Range"] = f"bytes={offset}-"
+        return urllib.request.Request(self.url(name), headers=headers)
+
+    def fetch(self, shard: Shard, partial: str) -> str | None:
+        have = os.path.getsize(partial) if os.path.exists(partial) else 0
+        if have > shard.size:
+            _truncate(partial, 0)
+            have = 0
+        if have == shard.size:
+            return None
+        opener = urllib.request.build_opener(_SameOriginAuthRedirect())
+        request = self.request(shard.name, have)
+        try:
+            response = opener.open(request, timeout=self.timeout)
+        except urllib.error.HTTPError as err:
+            hint = ": the shard is missing at the source" if err.code == 404 else ""
+            raise StageError(f"{self.url(shard.name)}: HTTP {err.code} {err.reason}{hint}") from None
+        except (urllib.error.URLError, OSError) as err:
+            raise StageError(f"{self.url(shard.name)}: {getattr(err, 'reason', err)}") from None
+        with response:
+            if have and response.status == 206:
+                content_range = response.headers.get("Content-Range", "")
+                if not content_range.startswith(f"bytes {have}-"):
+                    raise StageError(f"{self.url(shard.name)}: asked for bytes {have}-, got Content-Range "
+                                     f"{content_range!r}")
+            elif response.status == 200:
+                have = 0  # the server ignored the range: start over
+            else:
+                raise StageError(f"{self.url(shard.name)}: unexpected HTTP {response.status}")
+            digest = hash_prefix(partial, have)  # hashed on the way in: no second read of the shard
+            with open(partial, "r+b" if os.path.exists(partial) else "wb") as out:
+                out.truncate(have)
+                out.seek(have)
+                while chunk := response.read1(CHUNK):  # what has arrived: a kill loses little
+                    have += len(chunk)
+                    if have > shard.size:
+                        raise StageError(f"{self.url(shard.name)}: more than the manifest's {shard.size} bytes")
+                    out.write(chunk)
+                    digest.update(chunk)
+        if have != shard.size:
+            raise StageError(f"{self.url(shard.name)}: connection ended at byte {have} of {shard.size}")
+        return digest.hexdigest()
+
+
+def hub_source(endpoint: str, repo: str, revision: str, token: str, timeout: float = 60.0) -> HttpSource:
+    """A model hub laid out as `<endpoint>/<repo>/resolve/<revision>/<file>`, with a bearer token."""
+    if not re.match(r"^[\w.-]+/[\w.-]+$", repo or ""):
+        raise StageError(f"hub repo {repo!r} is not of the form <owner>/<name>")
+    base = f"{endpoint.rstrip('/')}/{repo}/resolve/{urllib.parse.quote(revision, safe='')}"
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return HttpSource(base, timeout=timeout, headers=headers, label=f"hub:{repo}@{revision}")
+
+
+@dataclass
+class PathSource:
+    """A directory on this machine or on a shared filesystem holding the shards."""
+
+    root: str
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        self.label = self.label or f"path:{self.root}"
+
+    def fetch(self, shard: Shard, partial: str) -> str | None:
+        src = os.path.join(self.root, shard.name)
+        try:
+            size = os.path.getsize(src)
+        except OSError:
+            raise StageError(f"{src}: the shard is missing at the source") from None
+        if size != shard.size:
+            raise StageError(f"{src}: {size} bytes, the manifest says {shard.size}")
+        have = os.path.getsize(partial) if os.path.exists(partial) else 0
+        if have > size:
+            have = 0
+        digest = hash_prefix(partial, have)
+        with open(src, "rb") as inp, open(partial, "r+b" if os.path.exists(partial) else "wb") as out:
+            out.truncate(have)
+            inp.seek(have)
+            out.seek(have)
+            while chunk := inp.read(CHUNK):
+                out.write(chunk)
+                digest.update(chunk)
+        return digest.hexdigest()
+
+
+@dataclass
+class PeerSource:
+    """A host that already holds verified shards, read with rsync over SSH.
+
+    `path` is the shard directory on the peer; it is empty when the peer's key restricts the
+    login to that directory (rrsync), where names are relative to it.
+    """
+
+    host: str
+    path: str = ""
+    user: str = "root"
+    port: int = 22
+    ssh_key: str = ""
+    known_hosts: str = ""
+    rsh: str = ""
+    timeout: int = 60
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise StageError("peer source has no host")
+        self.label = self.label or f"peer:{self.host}"
+
+    def remote_shell(self) -> str:
+        if self.rsh:
+            return self.rsh
+        args = ["ssh", "-p", str(self.port), "-o", "BatchMode=yes", "-o", f"ConnectTimeout={self.timeout}"]
+        if self.ssh_key:
+            args += ["-i", self.ssh_key, "-o", "IdentitiesOnly=yes"]
+        if self.known_hosts:
+            args += ["-o", f"UserKnownHostsFile={self.known_hosts}", "-o", "StrictHostKeyChecking=yes"]
+        return shlex.join(args)
+
+    def command(self, shard: Shard, partial: str) -> list[str]:
+        remote = f"{self.path.rstrip('/')}/{shard.name}" if self.path else shard.name
+        return ["rsync", "--append", f"--timeout={self.timeout}", "-e", self.remote_shell(),
+                f"{self.user}@{self.host}:{remote}", partial]
+
+    def fetch(self, shard: Shard, partial: str) -> str | None:
+        if os.path.exists(partial) and os.path.getsize(partial) > shard.size:
+            _truncate(partial, 0)
+        try:
+            done = subprocess.run(self.command(shard, partial), capture_output=True, text=True, check=False)
+        except FileNotFoundError:
+            raise StageError("rsync is not installed on this host (needed for peer sources)") from None
+        if done.returncode != 0:
+            raise StageError(f"rsync from {self.host} failed ({done.returncode}): "
+                             f"{done.stderr.strip()[-400:]}")
+        return None  # rsync wrote the bytes: the caller hashes the file
+
+
+def make_source(spec: dict, timeout: float = 60.0) -> Source:
+    """Build a source from its dict form (the module's `sources` entries, the CLI's options)."""
+    kind = spec.get("type")
+    if kind == "http":
+        return HttpSource(spec.get("url") or "", timeout=timeout)
+    if kind == "hub":
+        return hub_source(spec.get("endpoint") or "https://huggingface.co", spec.get("repo") or "",
+                          spec.get("revision") or "main", spec.get("token") or "", timeout)
+    if kind == "path":
+        if not spec.get("path"):
+            raise StageError("path source has no path")
+        return PathSource(spec["path"])
+    if kind == "peer":
+        return PeerSource(spec.get("host") or "", path=spec.get("path") or "", user=spec.get("user") or "root",
+                          port=int(spec.get("port") or 22), ssh_key=spec.get("ssh_key") or "",
+                          known_hosts=spec.get("known_hosts") or "", rsh=spec.get("rsh") or "",
+                          timeout=int(timeout))
+    raise StageError(f"unknown source type {kind!r} (expected http, hub, path or peer)")
+
+
+# --- staging ---------------------------------------------------------------------------------
+
+@dataclass
+class Plan:
+    ready: list[Shard] = field(default_factory=list)        # stamped, nothing to do
+    restamp: list[Shard] = field(default_factory=list)      # intact on disk, stamp missing or stale
+    fetch: list[Shard] = field(default_factory=list)        # missing or corrupt: bytes must come
+    corrupt: list[str] = field(default_factory=list)        # on disk but wrong: will be replaced
+    remaining_bytes: int = 0
+
+
+def make_plan(dest: str, shards: list[Shard], verify: str = "stamp") -> Plan:
+    """Decide per shard: ready (a stat), restamp (hash matched), or fetch (counting bytes to come)."""
+    plan = Plan()
+    for shard in shards:
+        final = os.path.join(dest, shard.name)
+        if os.path.exists(final):
+            stamped = stamp_matches(dest, shard)
+            if stamped and verify == "stamp":
+                plan.ready.append(shard)
+                continue
+            if os.path.getsize(final) == shard.size and sha256_file(final) == shard.sha256:
+                (plan.ready if stamped else plan.restamp).append(shard)
+                continue
+            plan.corrupt.append(shard.name)
+        partial = final + ".partial"
+        have = os.path.getsize(partial) if os.path.exists(partial) else 0
+        plan.fetch.append(shard)
+        plan.remaining_bytes += shard.size - have if have <= shard.size else shard.size
+    return plan
+
+
+def free_bytes(path: str) -> int:
+    """Bytes available to unprivileged writers on the filesystem that holds (or will hold) `path`."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    st = os.statvfs(probe)
+    return st.f_bavail * st.f_frsize
+
+
+def check_free_space(dest: str, needed: int, reserve: int) -> None:
+    available = free_bytes(dest)
+    if needed and needed + reserve > available:
+        raise StageError(f"not enough free space for {dest}: {needed} bytes still to fetch plus a reserve of "
+                         f"{reserve}, only {available} available; nothing was written")
+
+
+@contextlib.contextmanager
+def locked(dest: str) -> Iterator[None]:
+    """One stager per directory at a time (the role and a hand-run `mlafleet weights stage`)."""
+    os.makedirs(os.path.join(dest, STAMP_DIR), exist_ok=True)
+    with open(os.path.join(dest, STAMP_DIR, ".lock"), "w", encoding="utf-8") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StageError(f"{dest} is being staged by another process") from None
+        yield
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fetch_shard(dest: str, shard: Shard, sources: list[Source], retries: int, log: Log) -> tuple[str, int]:
+    """Fetch one shard into .partial, verify it, rename it atomically and stamp it.
+
+    Returns the label of the source that delivered it and how many corrupt downloads were thrown away.
+    """
+    final = os.path.join(dest, shard.name)
+    partial = final + ".partial"
+    errors: list[str] = []
+    corrupt = 0
+    for source in sources:
+        for attempt in range(retries + 1):
+            try:
+                streamed = source.fetch(shard, partial)
+            except StageError as err:
+                errors.append(f"{source.label} (attempt {attempt + 1}): {err}")
+                log(f"{shard.name}: {err}")
+                continue
+            size = os.path.getsize(partial)
+            digest = (streamed or sha256_file(partial)) if size == shard.size else ""
+            if digest != shard.sha256:
+                corrupt += 1
+                errors.append(f"{source.label} (attempt {attempt + 1}): got {size} bytes with sha256 "
+                              f"{digest or '-'}, the manifest says {shard.size} bytes, {shard.sha256}")
+                log(f"{shard.name}: corrupt download from {source.label}, fetching again")
+                os.unlink(partial)
+                continue
+            with open(partial, "rb+") as handle:
+                os.fsync(handle.fileno())
+            os.chmod(partial, 0o644)
+            os.replace(partial, final)
+            _fsync_dir(dest)
+            write_stamp(dest, shard, source.label)
+            log(f"{shard.name}: verified from {source.label}")
+            return source.label, corrupt
+    raise StageError(f"{shard.name}: no source delivered a verified copy: " + "; ".join(errors[-6:]))
+
+
+def count_present(dest: str, shards: list[Shard]) -> int:
+    return sum(1 for shard in shards if stamp_matches(dest, shard))
+
+
+def stage(dest: str, shards: list[Shard], sources: list[Source], *, verify: str = "stamp", retries: int = 2,
+          reserve: int = 0, check_mode: bool = False, log: Log = lambda _msg: None) -> dict:
+    """Bring `dest` to: every shard present, verified and stamped. Returns what was done."""
+    if verify not in ("stamp", "full"):
+        raise StageError(f"verify must be 'stamp' or 'full', not {verify!r}")
+    if os.path.exists(dest) and not os.path.isdir(dest):
+        raise StageError(f"{dest} exists and is not a directory")
+    plan = make_plan(dest, shards, verify) if os.path.isdir(dest) else make_plan_empty(shards)
+    if plan.fetch and not sources:
+        raise StageError(f"{len(plan.fetch)} of {len(shards)} shards are missing or corrupt in {dest} "
+                         f"and no source is given: {[s.name for s in plan.fetch][:8]}")
+    check_free_space(dest, plan.remaining_bytes, reserve)
+    result = {"changed": bool(plan.fetch or plan.restamp), "fetched": [s.name for s in plan.fetch],
+              "restamped": [s.name for s in plan.restamp], "corrupt": list(plan.corrupt),
+              "ready": [s.name for s in plan.ready], "bytes_to_fetch": plan.remaining_bytes,
+              "sources_used": {}, "expected": len(shards)}
+    if check_mode:
+        result["present"] = len(plan.ready) + len(plan.restamp)
+        return result
+    os.makedirs(dest, exist_ok=True)
+    with locked(dest):
+        for shard in plan.restamp:
+            write_stamp(dest, shard, (read_stamp(dest, shard.name) or {}).get("source", "on disk"))
+        for name in plan.corrupt:
+            os.unlink(os.path.join(dest, name))
+        discarded = 0
+        for shard in plan.fetch:
+            label, corrupt = fetch_shard(dest, shard, sources, retries, log)
+            result["sources_used"][shard.name] = label
+            discarded += corrupt
+        result["corrupt_downloads"] = discarded
+        result["present"] = count_present(dest, shards)
+    if result["present"] != len(shards):
+        raise StageError(f"only {result['present']} of {len(shards)} shards are present and verified in {dest}")
+    return result
+
+
+def make_plan_empty(shards: list[Shard]) -> Plan:
+    return Plan(fetch=list(shards), remaining_bytes=sum(s.size for s in shards))
+
+
+def prove_present(dest: str, shards: list[Shard], verify: str = "stamp") -> dict:
+    """All N of N present and verified, or a StageError naming the ones that are not."""
+    plan = make_plan(dest, shards, verify) if os.path.isdir(dest) else make_plan_empty(shards)
+    if plan.fetch:
+        raise StageError(f"{len(plan.fetch)} of {len(shards)} shards are missing or corrupt in {dest}: "
+                         f"{[s.name for s in plan.fetch][:8]}")
+    return {"changed": False, "present": len(shards), "expected": len(shards),
+            "unstamped": [s.name for s in plan.restamp]}
+
+
+# --- Ansible entry point -----------------------------------------------------------------------
+
+def main() -> None:
+    from ansible.module_utils.basic import AnsibleModule
+
+    source_spec = {
+        "type": {"type": "str", "required": True, "choices": ["http", "hub", "path", "peer"]},
+        "url": {"type": "str"}, "path": {"type": "str"}, "endpoint": {"type": "str"},
+        "repo": {"type": "str"}, "revision": {"type": "str"}, "token": {"type": "str", "no_log": True},
+        "host": {"type": "str"}, "user": {"type": "str"}, "port": {"type": "int"},
+        "ssh_key": {"type": "str"}, "known_hosts": {"type": "str"}, "rsh": {"type": "str"},
+    }
+    module = AnsibleModule(
+        argument_spec={
+            "dest": {"type": "path", "required": True},
+            "shards": {"type": "list", "elements": "dict", "required": True},
+            "sources": {"type": "list", "elements": "dict", "default": [], "options": source_spec},
+            "state": {"type": "str", "default": "staged", "choices": ["staged", "verified"]},
+            "verify": {"type": "str", "default": "stamp", "choices": ["stamp", "full"]},
+            "retries": {"type": "int", "default": 2},
+            "reserve_mb": {"type": "int", "default": 1024},
+            "timeout": {"type": "int", "default": 60},
+        },
+        supports_check_mode=True,
+    )
+    params = module.params
+    secrets = [s.get("token") or "" for s in params["sources"]]
+    messages: list[str] = []
+    try:
+        shards = parse_shards(params["shards"])
+        if params["state"] == "verified":
+            module.exit_json(**prove_present(params["dest"], shards, params["verify"]))
+        sources = [make_source(spec, params["timeout"]) for spec in params["sources"]]
+        result = stage(params["dest"], shards, sources, verify=params["verify"], retries=params["retries"],
+                       reserve=params["reserve_mb"] << 20, check_mode=module.check_mode, log=messages.append)
+    except StageError as err:
+        module.fail_json(msg=redact(str(err), secrets), log=[redact(m, secrets) for m in messages])
+    module.exit_json(log=[redact(m, secrets) for m in messages], **result)
+
+
+if __name__ == "__main__":
+    main()

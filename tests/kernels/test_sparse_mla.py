@@ -1,0 +1,293 @@
+"""Triton sparse-MLA kernels against the float32 torch references, on the CPU (interpreter).
+
+Every cache row that no index names is NaN, so a kernel that reads a row it should not
+(padding, an invalid index, a masked tile) fails loudly. Shapes are small but each case of
+issue 3 is covered: invalid indices, topk and head counts, duplicates, large logits,
+strided q, split/unsplit, the fp8_ds_mla layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mlafleet.kernels.sparse_mla import (
+    CONFIGS,
+    FP8_TOKEN_BYTES,
+    choose_config,
+    choose_num_splits,
+    dequantize_fp8_ds_mla,
+    quantize_fp8_ds_mla,
+    reference_sparse_mla,
+    reference_sparse_mla_fp8,
+    sparse_mla_fwd,
+    sparse_mla_fwd_fp8,
+)
+
+SCALE = 1.0 / math.sqrt(256)  # GLM-5's softmax scale
+# triton 3.6's interpreter converts 1-element arrays to ints, which numpy deprecates
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+
+def make_cache(gen: torch.Generator, s_kv: int, indices: torch.Tensor) -> torch.Tensor:
+    """bf16 kv [s_kv, 1, 576]: random where an index names the row, NaN everywhere else."""
+    kv = torch.full((s_kv, 1, 576), float("nan"), dtype=torch.bfloat16)
+    named = indices[(indices >= 0) & (indices < s_kv)].long().unique()
+    kv[named] = torch.randn(len(named), 1, 576, generator=gen).bfloat16()
+    return kv
+
+
+def make_fp8_cache(kv: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """The fp8_ds_mla cache [num_blocks, 64, 1, 656] of kv; unnamed rows are NaN bytes (0xff)."""
+    s_kv = kv.shape[0]
+    assert s_kv % 64 == 0, "same slot count as kv, so the same indices are out of range"
+    blocks = s_kv // 64
+    cache = torch.full((s_kv, FP8_TOKEN_BYTES), 0xFF, dtype=torch.uint8)
+    named = indices[(indices >= 0) & (indices < s_kv)].long().unique()
+    cache[named] = quantize_fp8_ds_mla(kv[named, 0])
+    return cache.view(blocks, 64, 1, FP8_TOKEN_BYTES)
+
+
+def random_indices(gen: torch.Generator, s_q: int, topk: int, s_kv: int) -> torch.Tensor:
+    return torch.randint(0, s_kv, (s_q, 1, topk), generator=gen, dtype=torch.int32)
+
+
+def check(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref_lse: torch.Tensor) -> None:
+    """bf16-operand tolerance, row by row; rows with no valid index exactly 0 with LSE +inf."""
+    assert out.dtype == torch.bfloat16 and out.shape == ref_out.shape
+    assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
+    assert not out.isnan().any() and not lse.isnan().any()
+    empty = torch.isposinf(ref_lse)
+    assert torch.equal(torch.isposinf(lse), empty)
+    assert torch.all(out[empty] == 0)
+    assert torch.allclose(lse[~empty], ref_lse[~empty], rtol=1e-4, atol=1e-3)
+    diff = (out.float() - ref_out)[~empty].norm(dim=-1)
+    rel = diff / ref_out[~empty].norm(dim=-1)
+    assert rel.numel() == 0 or rel.max() < 1e-2, f"max row error {rel.max():.3e}"
+
+
+def run_both(gen: torch.Generator, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+             sm_scale: float = SCALE, **kw) -> None:
+    """The bf16 kernel against its reference, and the fp8 kernel against its own."""
+    check(*sparse_mla_fwd(q, kv, indices, sm_scale, **kw), *reference_sparse_mla(q, kv, indices, sm_scale))
+    cache = make_fp8_cache(kv, indices)
+    check(*sparse_mla_fwd_fp8(q, cache, indices, sm_scale, **kw),
+          *reference_sparse_mla_fp8(q, cache, indices, sm_scale))
+
+
+@pytest.mark.parametrize("topk", [1, 64, 1000, 2047, 2048])
+def test_topk(gen: torch.Generator, topk: int) -> None:
+    s_kv = 4096
+    s_q = 1 if topk > 1000 else 2
+    idx = random_indices(gen, s_q, topk, s_kv)
+    q = torch.randn(s_q, 16, 576, generator=gen).bfloat16()
+    run_both(gen, q, make_cache(gen, s_kv, idx), idx)
+
+
+@pytest.mark.parametrize("h_q", [1, 8, 16, 24, 64, 128])
+def test_heads(gen: torch.Generator, h_q: int) -> None:
+    s_kv = 512
+    idx = random_indices(gen, 2, 80, s_kv)
+    idx[1, 0, ::7] = -1
+    q = torch.randn(2, h_q, 576, generator=gen).bfloat16()
+    run_both(gen, q, make_cache(gen, s_kv, idx), idx)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_all_indices_invalid(gen: torch.Generator, num_splits: int) -> None:
+    s_kv = 256
+    idx = torch.full((3, 1, 100), -1, dtype=torch.int32)
+    kv = torch.full((s_kv, 1, 576), float("nan"), dtype=torch.bfloat16)
+    q = torch.randn(3, 24, 576, generator=gen).bfloat16()
+    out, lse = sparse_mla_fwd(q, kv, idx, SCALE, num_splits=num_splits)
+    assert torch.all(out == 0) and torch.all(torch.isposinf(lse))
+    cache = torch.full((4, 64, 1, FP8_TOKEN_BYTES), 0xFF, dtype=torch.uint8)
+    out, lse = sparse_mla_fwd_fp8(q, cache, idx, SCALE, num_splits=num_splits)
+    assert torch.all(out == 0) and torch.all(torch.isposinf(lse))
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_mixed_invalid(gen: torch.Generator, num_splits: int) -> None:
+    s_kv = 320
+    idx = random_indices(gen, 4, 128, s_kv)
+    idx[0, 0, ::2] = -1
+    idx[1, 0, 1::3] = s_kv  # first slot past the end
+    idx[1, 0, 2::5] = 2**31 - 1
+    idx[2] = -1  # a row with nothing valid, beside rows with something
+    idx[3, 0, :100] = -1  # whole tiles (and whole splits) with nothing valid
+    idx[3, 0, 100:] = torch.where(idx[3, 0, 100:] % 2 == 0, s_kv + 7, idx[3, 0, 100:])
+    q = torch.randn(4, 16, 576, generator=gen).bfloat16()
+    kv = make_cache(gen, s_kv, idx)
+    run_both(gen, q, kv, idx, num_splits=num_splits)
+    _, lse = sparse_mla_fwd(q, kv, idx, SCALE, num_splits=num_splits)
+    assert torch.all(torch.isposinf(lse[2])) and torch.isfinite(lse[[0, 1, 3]]).all()
+
+
+def test_duplicate_and_unsorted_indices(gen: torch.Generator) -> None:
+    s_kv = 128
+    base = torch.randperm(s_kv, generator=gen)[:40].to(torch.int32)
+    idx = torch.cat([base, base.flip(0), base[:17]]).view(1, 1, -1).repeat(2, 1, 1)  # each row: 97
+    idx[1, 0] = idx[1, 0, torch.randperm(97, generator=gen)]
+    q = torch.randn(2, 8, 576, generator=gen).bfloat16()
+    kv = make_cache(gen, s_kv, idx)
+    run_both(gen, q, kv, idx)
+    # duplicates count as many times as they appear: not the same as the deduplicated set
+    once, _ = reference_sparse_mla(q, kv, base.view(1, 1, -1).repeat(2, 1, 1), SCALE)
+    twice, _ = sparse_mla_fwd(q, kv, idx, SCALE)
+    assert (twice.float() - once).abs().max() > 1e-2
+
+
+def test_nan_rows_never_read(gen: torch.Generator) -> None:
+    s_kv = 1024
+    idx = random_indices(gen, 3, 96, s_kv)
+    idx[0, 0, 5::9] = -1
+    kv = make_cache(gen, s_kv, idx)
+    assert kv.isnan().any(dim=-1).sum() > s_kv // 2  # most of the cache is NaN
+    q = torch.randn(3, 24, 576, generator=gen).bfloat16()
+    for num_splits in (1, 2):
+        run_both(gen, q, kv, idx, num_splits=num_splits)
+
+
+def test_large_logits(gen: torch.Generator) -> None:
+    s_kv = 448
+    idx = random_indices(gen, 2, 150, s_kv)
+    q = (torch.randn(2, 16, 576, generator=gen) * 30).bfloat16()
+    kv = make_cache(gen, s_kv, idx)
+    ref_out, ref_lse = reference_sparse_mla(q, kv, idx, 1.0)
+    assert ref_lse.abs().max() > 1000  # exp() of these logits overflows float32 without the max
+    check(*sparse_mla_fwd(q, kv, idx, 1.0, num_splits=1), ref_out, ref_lse)
+    check(*sparse_mla_fwd(q, kv, idx, 1.0, num_splits=3), ref_out, ref_lse)
+
+
+def test_noncontiguous_q(gen: torch.Generator) -> None:
+    s_kv = 320
+    idx = random_indices(gen, 3, 70, s_kv)
+    kv = make_cache(gen, s_kv, idx)
+    wide = torch.full((3, 40, 576), float("nan")).bfloat16()
+    wide[:, ::2] = torch.randn(3, 20, 576, generator=gen).bfloat16()
+    every_other_head = wide[:, ::2]  # head stride 2*576, NaN between the heads
+    transposed = torch.randn(576, 20, 3, generator=gen).bfloat16().permute(2, 1, 0)  # dim stride != 1
+    for q in (every_other_head, transposed, wide[:, 0:40:2][:, :19]):
+        assert not q.is_contiguous()
+        run_both(gen, q, kv, idx)
+
+
+def test_split_and_unsplit_agree(gen: torch.Generator) -> None:
+    s_kv = 5120
+    idx = random_indices(gen, 2, 700, s_kv)
+    idx[0, 0, 600:] = -1
+    q = torch.randn(2, 24, 576, generator=gen).bfloat16()
+    kv = make_cache(gen, s_kv, idx)
+    cache = make_fp8_cache(kv, idx)
+    ref_out, ref_lse = reference_sparse_mla(q, kv, idx, SCALE)
+    for fwd, cache_in in ((sparse_mla_fwd, kv), (sparse_mla_fwd_fp8, cache)):
+        base_out, base_lse = fwd(q, cache_in, idx, SCALE, num_splits=1)
+        for num_splits in (2, 5, 22):
+            out, lse = fwd(q, cache_in, idx, SCALE, num_splits=num_splits)
+            assert torch.allclose(lse, base_lse, rtol=1e-5, atol=1e-5)
+            assert (out.float() - base_out.float()).abs().max() < 2e-2
+        if fwd is sparse_mla_fwd:
+            check(base_out, base_lse, ref_out, ref_lse)
+
+
+def test_fp8_layout_exact(gen: torch.Generator) -> None:
+    x = torch.randn(70, 576, generator=gen) * torch.logspace(-3, 3, 70).unsqueeze(1)
+    x[3, 128:256] = 0.0  # a group of zeros still gets a finite scale
+    x[4, :128] = 448.0  # amax exactly representable: scale 1
+    packed = quantize_fp8_ds_mla(x)
+    assert packed.dtype == torch.uint8 and packed.shape == (70, 656)
+    scales = packed[:, 512:528].contiguous().view(torch.float32)  # [70, 4]
+    mantissa, _ = torch.frexp(scales)
+    assert torch.all(mantissa == 0.5)  # powers of two
+    amax = x[:, :512].reshape(70, 4, 128).abs().amax(-1).clamp_min(1e-4)
+    assert torch.all(scales * 448 >= amax) and torch.all(scales * 224 < amax)  # the smallest such
+    assert scales[4, 0] == 1.0
+    fp8 = (x[:, :512].reshape(70, 4, 128) / scales[..., None]).to(torch.float8_e4m3fn).reshape(70, 512)
+    assert torch.equal(packed[:, :512], fp8.view(torch.uint8))
+    assert torch.equal(packed[:, 528:], x[:, 512:].bfloat16().contiguous().view(torch.uint8))
+    back = dequantize_fp8_ds_mla(packed)
+    assert torch.equal(back[:, :512], (fp8.float().reshape(70, 4, 128) * scales[..., None]).reshape(70, 512))
+    assert torch.equal(back[:, 512:], x[:, 512:].bfloat16().float())
+    assert ((back[:, :512] - x[:, :512]).abs() <= amax.repeat_interleave(128, 1) / 16).all()
+
+
+def test_fp8_layout_round_trip(gen: torch.Generator) -> None:
+    """A packed token whose every group reaches 448 * scale unpacks and repacks byte for byte."""
+    codes = torch.randint(0, 256, (30, 512), generator=gen).to(torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # no NaN codes
+    codes[:, ::128] = 0x7E  # 448: each group's amax is 448 * its scale
+    scales = torch.exp2(torch.randint(-12, 6, (30, 4), generator=gen).float())
+    rope = torch.randn(30, 64, generator=gen).bfloat16()
+    packed = torch.cat([codes, scales.view(torch.uint8), rope.view(torch.uint8)], dim=1)
+    assert torch.equal(quantize_fp8_ds_mla(dequantize_fp8_ds_mla(packed)), packed)
+
+
+def test_fp8_cache_views_agree(gen: torch.Generator) -> None:
+    s_kv = 256
+    idx = random_indices(gen, 2, 90, s_kv)
+    q = torch.randn(2, 16, 576, generator=gen).bfloat16()
+    kv = make_cache(gen, s_kv, idx)
+    cache = make_fp8_cache(kv, idx)
+    out4, lse4 = sparse_mla_fwd_fp8(q, cache, idx, SCALE)
+    for view in (cache.view(-1, 656), cache.view(4, 64, 656)):
+        out, lse = sparse_mla_fwd_fp8(q, view, idx, SCALE)
+        assert torch.equal(out, out4) and torch.equal(lse, lse4)
+    # the fp8 reference is the bf16 reference over the dequantised cache
+    deq = dequantize_fp8_ds_mla(cache.view(-1, 656)).nan_to_num(0).bfloat16().unsqueeze(1)
+    ref8, lse8 = reference_sparse_mla_fp8(q, cache, idx, SCALE)
+    ref16, lse16 = reference_sparse_mla(q, deq, idx, SCALE)
+    assert torch.allclose(ref8, ref16, atol=1e-5) and torch.allclose(lse8, lse16, atol=1e-5)
+
+
+def test_reference_is_dense_softmax(gen: torch.Generator) -> None:
+    """The reference itself, against dense attention over the gathered rows, token by token."""
+    kv = torch.randn(50, 1, 576, generator=gen).bfloat16()
+    q = torch.randn(3, 4, 576, generator=gen).bfloat16()
+    idx = torch.randint(-1, 60, (3, 1, 20), generator=gen, dtype=torch.int32)
+    out, lse = reference_sparse_mla(q, kv, idx, SCALE)
+    for t in range(3):
+        keep = idx[t, 0][(idx[t, 0] >= 0) & (idx[t, 0] < 50)].long()
+        k = kv[keep, 0].float()
+        scores = q[t].float() @ k.T * SCALE
+        assert torch.allclose(out[t], torch.softmax(scores, -1) @ k[:, :512], atol=1e-5)
+        assert torch.allclose(lse[t], torch.logsumexp(scores, -1), atol=1e-5)
+
+
+def test_bad_inputs_are_named(gen: torch.Generator) -> None:
+    q = torch.randn(2, 8, 576).bfloat16()
+    kv = torch.randn(10, 1, 576).bfloat16()
+    idx = torch.zeros(2, 1, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="d_v must be 512"):
+        sparse_mla_fwd(q, kv, idx, SCALE, d_v=256)
+    with pytest.raises(ValueError, match="q must be"):
+        sparse_mla_fwd(q[..., :512], kv, idx, SCALE)
+    with pytest.raises(TypeError, match="indices must be int32"):
+        sparse_mla_fwd(q, kv, idx.long(), SCALE)
+    with pytest.raises(ValueError, match="indices must be"):
+        sparse_mla_fwd(q, kv, idx[:1], SCALE)
+    with pytest.raises(ValueError, match="kv must be"):
+        sparse_mla_fwd(q, kv[:, :, :512], idx, SCALE)
+    with pytest.raises(TypeError, match="q must be bfloat16"):
+        sparse_mla_fwd(q.half(), kv, idx, SCALE)
+    with pytest.raises(TypeError, match="kv_cache must be uint8"):
+        sparse_mla_fwd_fp8(q, kv, idx, SCALE)
+    with pytest.raises(ValueError, match="656"):
+        sparse_mla_fwd_fp8(q, torch.zeros(10, 600, dtype=torch.uint8), idx, SCALE)
+    with pytest.raises(ValueError, match="num_splits"):
+        sparse_mla_fwd(q, kv, idx, SCALE, num_splits=0)
+    with pytest.raises(ValueError, match="last dim must be 576"):
+        quantize_fp8_ds_mla(torch.zeros(3, 512))
+
+
+def test_launcher_choices() -> None:
+    for h_q in range(1, 257):
+        for fp8 in (False, True):
+            assert choose_config(h_q, fp8) in CONFIGS.values()
+    assert choose_config(64, fp8=True).block_h == 32 and choose_config(64).block_h == 16
+    # decode at batch 1 on 132 SMs: split topk 2048 into many programs; prefill: no split
+    assert choose_num_splits(1, 1, 2048, 32, 132) == 32  # at least 64 keys per split
+    assert 2 <= choose_num_splits(64, 1, 2048, 32, 132) <= 8
+    assert choose_num_splits(4096, 4, 2048, 32, 132) == 1
+    assert choose_num_splits(1, 1, 1, 32, 132) == 1

@@ -1,0 +1,56 @@
+"""Every config the sparse-MLA launcher can choose fits SM120: compiled for sm_120, no GPU.
+
+The compilation runs in one child Python without TRITON_INTERPRET (this suite interprets).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mlafleet.kernels.sm120 import SM120_MAX_SHARED_BYTES
+from mlafleet.kernels.sparse_mla import CONFIGS, sm120_compile_specs
+
+CHILD = """
+import dataclasses, json
+from mlafleet.kernels.sm120 import compile_for_sm120
+from mlafleet.kernels.sparse_mla import sm120_compile_specs
+for spec in sm120_compile_specs():
+    report = compile_for_sm120(**spec)
+    print("REPORT", json.dumps({**dataclasses.asdict(report), "constexprs": spec["constexprs"]}))
+"""
+
+
+@pytest.fixture(scope="module")
+def reports() -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line[len("REPORT "):]) for line in proc.stdout.splitlines()
+            if line.startswith("REPORT ")]
+
+
+def test_every_config_is_compiled(reports: list[dict]) -> None:
+    # each config for its cache dtype x {final, partial}, and the merge kernel
+    assert len(reports) == len(sm120_compile_specs())
+    main = [r for r in reports if r["name"] == "_sparse_mla_kernel"]
+    assert len(main) == 2 * len(CONFIGS)
+    seen = {("fp8" if r["constexprs"]["FP8"] else "bf16", r["constexprs"]["BLOCK_H"], r["constexprs"]["BLOCK_N"],
+             r["num_warps"], r["num_stages"]) for r in main}
+    assert seen == {(dtype, c.block_h, c.block_n, c.num_warps, c.num_stages)
+                    for (dtype, _), c in CONFIGS.items()}
+
+
+def test_every_config_fits_sm120(reports: list[dict]) -> None:
+    too_big = [r for r in reports if r["shared_bytes"] > SM120_MAX_SHARED_BYTES]
+    spilled = [r for r in reports if r["spill_store_bytes"] + r["spill_load_bytes"] > 0]
+    assert not too_big, f"over {SM120_MAX_SHARED_BYTES} bytes of shared memory: {too_big}"
+    assert not spilled, f"register spills: {spilled}"
+    assert all(0 < r["registers"] <= 255 for r in reports)
+    assert all(r["shared_bytes"] > 0 for r in reports if r["name"] == "_sparse_mla_kernel")
