@@ -161,7 +161,7 @@ def build_release_image(force: bool = False) -> str:
             sh("docker", "exec", container, "sh", "-c",
                "rm -f /etc/ssh/ssh_host_* /root/.ssh/authorized_keys; : > /etc/machine-id")
             log(f"docker commit -> {tag}")
-            sh("docker", "commit", "-c", "CMD [\"/lib/systemd/systemd\"]", "-c", "STOPSIGNAL SIGRTMIN+3",
+            sh("docker", "commit", "-c", "CMD [\"/lib/systemd/systemd\"]",
                container, tag)
         finally:
             down(name, quiet=True)
