@@ -95,6 +95,28 @@ def test_heads(gen: torch.Generator, h_q: int) -> None:
     run_both(gen, q, make_cache(gen, s_kv, idx), idx)
 
 
+@pytest.mark.parametrize("key", sorted(CONFIGS))
+def test_every_config(gen: torch.Generator, key: tuple[str, int]) -> None:
+    # each config the launcher can choose, explicitly (the launcher picks some only at sizes
+    # too large for the interpreter): a partial last head block, invalid indices, split/unsplit
+    dtype, block_h = key
+    cfg = CONFIGS[key]
+    s_kv = 512
+    idx = random_indices(gen, 2, 80, s_kv)
+    idx[1, 0, ::5] = -1
+    idx[0, 0, 3] = s_kv
+    q = torch.randn(2, block_h + 8, 576, generator=gen).bfloat16()
+    kv = make_cache(gen, s_kv, idx)
+    for num_splits in (1, 3):
+        if dtype == "bf16":
+            check(*sparse_mla_fwd(q, kv, idx, SCALE, num_splits=num_splits, config=cfg),
+                  *reference_sparse_mla(q, kv, idx, SCALE))
+        else:
+            cache = make_fp8_cache(kv, idx)
+            check(*sparse_mla_fwd_fp8(q, cache, idx, SCALE, num_splits=num_splits, config=cfg),
+                  *reference_sparse_mla_fp8(q, cache, idx, SCALE))
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_all_indices_invalid(gen: torch.Generator, num_splits: int) -> None:
     s_kv = 256
@@ -286,6 +308,11 @@ def test_launcher_choices() -> None:
         for fp8 in (False, True):
             assert choose_config(h_q, fp8) in CONFIGS.values()
     assert choose_config(64, fp8=True).block_h == 32 and choose_config(64).block_h == 16
+    # many query tokens and >= 64 heads: 64-head tiles over half the output dims each
+    for fp8 in (False, True):
+        wide = choose_config(64, fp8, s_q=256)
+        assert (wide.block_h, wide.dv_split) == (64, 2) and choose_config(128, fp8, s_q=4096) == wide
+        assert choose_config(16, fp8, s_q=256).block_h <= 16 and choose_config(64, fp8, s_q=8).block_h < 64
     # decode at batch 1 on 132 SMs: split topk 2048 into many programs; prefill: no split
     assert choose_num_splits(1, 1, 2048, 32, 132) == 32  # at least 64 keys per split
     assert 2 <= choose_num_splits(64, 1, 2048, 32, 132) <= 8
