@@ -43,18 +43,19 @@ CASES = [
     ("bf16", 1, 8), ("bf16", 1, 16), ("bf16", 1, 64),
     ("bf16", 8, 8), ("bf16", 8, 16), ("bf16", 8, 64),
     ("bf16", 64, 16), ("bf16", 64, 64), ("bf16", 256, 64), ("bf16", 4096, 128),
-    ("fp8", 1, 64), ("fp8", 8, 16), ("fp8", 64, 16), ("fp8", 64, 64),
+    ("fp8", 1, 64), ("fp8", 8, 16), ("fp8", 8, 64), ("fp8", 64, 16), ("fp8", 64, 64),
     ("fp8", 256, 64), ("fp8", 256, 128),
 ]
-SWEEP_CASES = [("bf16", 8, 64), ("bf16", 64, 64), ("bf16", 256, 64), ("fp8", 8, 64), ("fp8", 64, 64),
-               ("fp8", 256, 128)]
-SWEEP_SPLITS = (1, 2, 4, 8)
-# configs timed by --sweep besides the launcher's own (each also fits SM120: checked offline
-# with mlafleet.kernels.sm120 before the run)
-SWEEP_CONFIGS = {
-    "bf16": [sm.CONFIGS[("bf16", 64)], sm.KernelConfig(64, 16, 8, 1, dv_split=2)],
-    "fp8": [sm.CONFIGS[("fp8", 64)], sm.KernelConfig(64, 16, 8, 1, dv_split=2, prefetch=True),
-            sm.CONFIGS[("fp8", 32)]],
+# --sweep: (cache, s_q, h_q) -> configs x split counts, timed besides the launcher's own
+# choice (each config fits SM120: checked offline with mlafleet.kernels.sm120 before the run)
+_BF16_CANDIDATES = [sm.CONFIGS[("bf16", 16)], sm.KernelConfig(16, 64, 8, 1), sm.KernelConfig(32, 32, 8, 2)]
+SWEEPS = {
+    ("bf16", 64, 16): (_BF16_CANDIDATES, (1, 2, 4, 8)),
+    ("bf16", 64, 64): (_BF16_CANDIDATES, (1, 2, 4)),
+    ("bf16", 256, 64): (_BF16_CANDIDATES, (1, 2)),
+    ("fp8", 8, 64): ([sm.CONFIGS[("fp8", 32)]], (4, 8, 16, 32)),
+    ("fp8", 64, 16): ([sm.CONFIGS[("fp8", 16)]], (1, 2, 3, 4, 5, 8)),
+    ("fp8", 64, 64): ([sm.CONFIGS[("fp8", 32)]], (1, 2, 3)),
 }
 
 
@@ -278,12 +279,12 @@ def sweep(kind: str, s_q: int, h_q: int, kv: torch.Tensor, cache: torch.Tensor,
     idxs = [make_indices(s_q, TOPK, gen) for _ in range(n_sets)]
     fwd, src = (sm.sparse_mla_fwd, kv) if kind == "bf16" else (sm.sparse_mla_fwd_fp8, cache)
     out = {"cache": kind, "s_q": s_q, "h_q": h_q}
-    for cfg in SWEEP_CONFIGS[kind]:
-        for splits in SWEEP_SPLITS:
+    configs, split_counts = SWEEPS[(kind, s_q, h_q)]
+    for cfg in configs:
+        for splits in split_counts:
             calls = [lambda q=q, i=i: fwd(q, src, i, SCALE, num_splits=splits, config=cfg)
                      for q, i in zip(qs, idxs)]
-            name = (f"h{cfg.block_h}n{cfg.block_n}w{cfg.num_warps}dv{cfg.dv_split}"
-                    f"p{int(cfg.prefetch_for(kind == 'fp8'))}/s{splits}_us")
+            name = f"h{cfg.block_h}n{cfg.block_n}w{cfg.num_warps}st{cfg.num_stages}/s{splits}_us"
             out[name] = round(time_graph(calls, replays=10) * 1e6, 1)
     return out
 
@@ -343,7 +344,7 @@ def main() -> None:
         r = bench_case(fm, kind, s_q, h_q, kv, cache, gen, copy_bw, with_ref=not args.no_ref)
         results.append(r)
         print("case", json.dumps(r), flush=True)
-    sweeps = [sweep(*c, kv, cache, gen) for c in SWEEP_CASES] if args.sweep else []
+    sweeps = [sweep(*c, kv, cache, gen) for c in SWEEPS] if args.sweep else []
     for s in sweeps:
         print("sweep", json.dumps(s), flush=True)
 

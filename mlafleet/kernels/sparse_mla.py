@@ -246,20 +246,13 @@ def _sparse_mla_kernel(
     FP8: tl.constexpr,  # KV is the fp8_ds_mla byte layout
     PARTIAL: tl.constexpr,  # write float32 partials (several splits) instead of the final bf16
     PREFETCH: tl.constexpr,  # issue the next tile's gathers before this tile's math
-    DV_SPLIT: tl.constexpr,  # 1: a program writes all 512 output dims; 2: one half of them
     DOT_F32: tl.constexpr,  # interpreter: bf16 tl.dot is wrong there, so dot in float32
 ):
     # The 512 latent dims are handled as 4 groups of 128 (the fp8 scale groups): 4 key tiles,
-    # 4 query tiles. The 64 RoPE dims only enter the logits. DV_SPLIT=1: 4 accumulators, one
-    # per group. DV_SPLIT=2: the program computes the full logits but accumulates only the
-    # output half dv_part (groups 0-1 or 2-3) in acc0/acc1; two programs share a head block,
-    # so the accumulator halves and a 64-head tile fits SM120 (each gathered tile then serves
-    # 64 heads: read twice per 64 heads instead of 4 times with 16-head tiles).
+    # 4 query tiles, 4 accumulators. The 64 RoPE dims only enter the logits.
     pid = tl.program_id(0)
     head_block = pid % n_head_blocks
     rest = pid // n_head_blocks
-    dv_part = rest % DV_SPLIT
-    rest = rest // DV_SPLIT
     split = rest % n_split
     tok = (rest // n_split).to(tl.int64)
     dot_dtype: tl.constexpr = tl.float32 if DOT_F32 else tl.bfloat16
@@ -280,7 +273,7 @@ def _sparse_mla_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(logit - m_i)
     acc0 = tl.zeros([BLOCK_H, 128], tl.float32)
     acc1 = tl.zeros([BLOCK_H, 128], tl.float32)
-    acc2 = tl.zeros([BLOCK_H, 128], tl.float32)  # unused with DV_SPLIT=2
+    acc2 = tl.zeros([BLOCK_H, 128], tl.float32)
     acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
 
     # PREFETCH: a software pipeline. The indices run two tiles ahead and the key gathers one
@@ -329,16 +322,10 @@ def _sparse_mla_kernel(
         p = tl.exp2(logits - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         p = p.to(dot_dtype)
-        if DV_SPLIT == 1:
-            acc0 = tl.dot(p, k0, acc0 * alpha[:, None])
-            acc1 = tl.dot(p, k1, acc1 * alpha[:, None])
-            acc2 = tl.dot(p, k2, acc2 * alpha[:, None])
-            acc3 = tl.dot(p, k3, acc3 * alpha[:, None])
-        else:  # this program's output half: groups 0-1 or 2-3
-            v_lo = tl.where(dv_part == 0, k0, k2)
-            v_hi = tl.where(dv_part == 0, k1, k3)
-            acc0 = tl.dot(p, v_lo, acc0 * alpha[:, None])
-            acc1 = tl.dot(p, v_hi, acc1 * alpha[:, None])
+        acc0 = tl.dot(p, k0, acc0 * alpha[:, None])
+        acc1 = tl.dot(p, k1, acc1 * alpha[:, None])
+        acc2 = tl.dot(p, k2, acc2 * alpha[:, None])
+        acc3 = tl.dot(p, k3, acc3 * alpha[:, None])
         m_i = m_new
 
         if PREFETCH:
@@ -354,16 +341,14 @@ def _sparse_mla_kernel(
     lse = tl.where(has_any, (m_safe + tl.log2(l_safe)) * 0.6931471805599453, empty_lse)  # natural log
 
     out_base = (OUT + tok * stride_out_tok + split * stride_out_split
-                + heads.to(tl.int64)[:, None] * stride_out_head + dv_part * (512 // DV_SPLIT)
-                + d128[None, :])
+                + heads.to(tl.int64)[:, None] * stride_out_head + d128[None, :])
     out_dtype = OUT.dtype.element_ty
     tl.store(out_base + 0, (acc0 * inv_l).to(out_dtype), mask=head_ok[:, None])
     tl.store(out_base + 128, (acc1 * inv_l).to(out_dtype), mask=head_ok[:, None])
-    if DV_SPLIT == 1:
-        tl.store(out_base + 256, (acc2 * inv_l).to(out_dtype), mask=head_ok[:, None])
-        tl.store(out_base + 384, (acc3 * inv_l).to(out_dtype), mask=head_ok[:, None])
+    tl.store(out_base + 256, (acc2 * inv_l).to(out_dtype), mask=head_ok[:, None])
+    tl.store(out_base + 384, (acc3 * inv_l).to(out_dtype), mask=head_ok[:, None])
     lse_ptrs = LSE + tok * stride_lse_tok + split * stride_lse_split + heads * stride_lse_head
-    tl.store(lse_ptrs, lse, mask=head_ok & (dv_part == 0))  # both halves hold the same LSE
+    tl.store(lse_ptrs, lse, mask=head_ok)
 
 
 @triton.jit
@@ -414,12 +399,8 @@ class KernelConfig:
     block_n: int  # keys gathered per step
     num_warps: int
     num_stages: int
-    dv_split: int = 1  # 2: two programs per head block, each writing 256 of the 512 output dims
-    prefetch: bool | None = None  # the PREFETCH pipeline; None: on for fp8 only (H200 measurement)
-    programs_per_sm: int = 2  # choose_num_splits splits topk until the grid has this many per SM
-
-    def prefetch_for(self, fp8: bool) -> bool:
-        return fp8 if self.prefetch is None else self.prefetch
+    programs_per_sm: int = 2  # choose_num_splits: how many programs per SM to aim for ...
+    split_round_up: bool = True  # ... rounding the split count up (oversubscribe) or down
 
 
 # The only configs the launcher can choose, by (cache dtype, head block). Every one must fit
@@ -427,15 +408,13 @@ class KernelConfig:
 # tests/kernels/test_sparse_mla_sm120.py compiles each for sm_120.
 CONFIGS: dict[tuple[str, int], KernelConfig] = {
     ("bf16", 16): KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
-    ("fp8", 16): KernelConfig(block_h=16, block_n=32, num_warps=8, num_stages=1, programs_per_sm=1),
-    ("fp8", 32): KernelConfig(block_h=32, block_n=32, num_warps=8, num_stages=2, programs_per_sm=1),
-    # 64 heads x 256 output dims a program (sm_120: 94208 B shared, 244 / 224 registers)
-    ("bf16", 64): KernelConfig(block_h=64, block_n=32, num_warps=8, num_stages=1, dv_split=2,
-                               programs_per_sm=1),
-    ("fp8", 64): KernelConfig(block_h=64, block_n=32, num_warps=8, num_stages=1, dv_split=2,
-                              prefetch=False, programs_per_sm=1),
+    # fp8: at most one wave of programs (H200, docs/perf-kernels.md: 8x16 19.4 vs 22.5 us,
+    # 64x64 unsplit 236 us vs 297 at 3 splits)
+    ("fp8", 16): KernelConfig(block_h=16, block_n=32, num_warps=8, num_stages=1,
+                              programs_per_sm=1, split_round_up=False),
+    ("fp8", 32): KernelConfig(block_h=32, block_n=32, num_warps=8, num_stages=2,
+                              programs_per_sm=1, split_round_up=False),
 }
-WIDE_MIN_TOKENS = 32  # query tokens from which 64-head tiles are chosen (h_q >= 64)
 MAX_SPLITS = 64  # the merge kernel holds all splits of a row in one tile
 MERGE_NUM_WARPS = 4
 DEFAULT_NUM_SMS = 132  # used where no CUDA device answers (the interpreter)
@@ -443,27 +422,25 @@ PROGRAMS_PER_SM = 2  # split topk until the grid has about this many programs pe
 MIN_SPLIT_TOKENS = 64  # ... but give each split at least this many keys (H200 sweep, docs/perf-kernels.md)
 
 
-def choose_config(h_q: int, fp8: bool = False, s_q: int = 1) -> KernelConfig:
-    """The head block. With at least 64 heads and WIDE_MIN_TOKENS query tokens: 64 heads x half
-    the output dims a program, so a gathered key tile serves 64 heads (the grid is full
-    without many splits). Otherwise bf16: 16 (on the H200 as fast as or faster than 32 for
-    every head count measured); fp8: 16 up to 16 heads, else 32, so that fewer programs
-    convert the same keys."""
-    dtype = "fp8" if fp8 else "bf16"
-    if h_q >= 64 and s_q >= WIDE_MIN_TOKENS:
-        return CONFIGS[(dtype, 64)]
+def choose_config(h_q: int, fp8: bool = False) -> KernelConfig:
+    """The head block. bf16: 16 (on the H200 as fast as or faster than 32 for every head count
+    measured). fp8: 16 up to 16 heads, else 32, so that fewer programs convert the same keys."""
     if not fp8:
         return CONFIGS[("bf16", 16)]
     return CONFIGS[("fp8", 16 if h_q <= 16 else 32)]
 
 
 def choose_num_splits(s_q: int, n_head_blocks: int, topk: int, block_n: int, num_sms: int,
-                      programs_per_sm: int = PROGRAMS_PER_SM) -> int:
-    """Split each row's topk across programs when s_q x head blocks cannot fill the GPU.
-
-    n_head_blocks counts the programs per query token and split (head blocks x d_v parts)."""
+                      programs_per_sm: int = PROGRAMS_PER_SM, round_up: bool = True) -> int:
+    """Split each row's topk across programs when s_q x head blocks cannot fill the GPU:
+    about programs_per_sm x num_sms programs, the split count rounded up (bf16: a second
+    wave of programs hides gather latency) or down (fp8: never more than that). A grid that
+    already has a program per SM is not split (H200: bf16 64x64 170 us unsplit, 242 at 2)."""
     programs = s_q * n_head_blocks
-    wanted = math.ceil(programs_per_sm * num_sms / programs)
+    if programs >= num_sms:
+        return 1
+    fill = programs_per_sm * num_sms / programs
+    wanted = math.ceil(fill) if round_up else math.floor(fill)
     most = min(MAX_SPLITS, max(1, topk // max(MIN_SPLIT_TOKENS, block_n)))
     return max(1, min(wanted, most))
 
@@ -490,8 +467,8 @@ def sm120_compile_specs() -> list[dict]:
                 "n_split": "i32", "n_head_blocks": "i32", "qk_scale_log2": "fp32",
             }
             constexprs = {"stride_q_dim": 1, "stride_idx_k": 1, "BLOCK_H": cfg.block_h,
-                          "BLOCK_N": cfg.block_n, "FP8": fp8, "PARTIAL": partial,
-                          "PREFETCH": cfg.prefetch_for(fp8), "DV_SPLIT": cfg.dv_split, "DOT_F32": False}
+                          "BLOCK_N": cfg.block_n, "FP8": fp8, "PARTIAL": partial, "PREFETCH": fp8,
+                          "DOT_F32": False}
             aligned = ["Q", "KV", "IDX", "OUT", "LSE", "stride_q_tok", "stride_q_head",
                        "stride_kv_tok", "stride_out_tok", "stride_out_head"]
             specs.append({"fn": _sparse_mla_kernel, "signature": signature, "constexprs": constexprs,
@@ -526,15 +503,13 @@ def _run(q: torch.Tensor, kv: torch.Tensor, stride_kv_tok: int, n_slots: int, in
                          "(CPU tensors run only under TRITON_INTERPRET=1, set before triton is imported)")
     s_q, h_q, _ = q.shape
     topk = indices.shape[2]
-    cfg = config or choose_config(h_q, fp8, s_q)
-    if cfg.dv_split not in (1, 2):
-        raise ValueError(f"sparse MLA: config dv_split must be 1 or 2, got {cfg.dv_split}")
+    cfg = config or choose_config(h_q, fp8)
     n_head_blocks = triton.cdiv(h_q, cfg.block_h)
     if num_splits is None:
         num_sms = (DEFAULT_NUM_SMS if interpreted
                    else torch.cuda.get_device_properties(q.device).multi_processor_count)
-        num_splits = choose_num_splits(s_q, n_head_blocks * cfg.dv_split, topk, cfg.block_n, num_sms,
-                                       cfg.programs_per_sm)
+        num_splits = choose_num_splits(s_q, n_head_blocks, topk, cfg.block_n, num_sms,
+                                       cfg.programs_per_sm, cfg.split_round_up)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"sparse MLA: num_splits must be 1 to {MAX_SPLITS}, got {num_splits}")
     tokens_per_split = triton.cdiv(triton.cdiv(topk, num_splits), cfg.block_n) * cfg.block_n
@@ -555,7 +530,7 @@ def _run(q: torch.Tensor, kv: torch.Tensor, stride_kv_tok: int, n_slots: int, in
         out_strides = (out.stride(0), 0, out.stride(1))
         lse_strides = (lse.stride(0), 0, lse.stride(1))
 
-    grid = (s_q * num_splits * cfg.dv_split * n_head_blocks,)
+    grid = (s_q * num_splits * n_head_blocks,)
     _sparse_mla_kernel[grid](
         q, q.stride(0), q.stride(1), q.stride(2),
         kv, stride_kv_tok, n_slots,
@@ -565,8 +540,7 @@ def _run(q: torch.Tensor, kv: torch.Tensor, stride_kv_tok: int, n_slots: int, in
         h_q, topk, tokens_per_split, num_splits, n_head_blocks,
         sm_scale * LOG2E,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, FP8=fp8, PARTIAL=partial,
-        PREFETCH=cfg.prefetch_for(fp8),  # H200: faster for fp8, slower for bf16 (docs/perf-kernels.md)
-        DV_SPLIT=cfg.dv_split,
+        PREFETCH=fp8,  # measured on the H200: faster for fp8, slower for bf16 (docs/perf-kernels.md)
         DOT_F32=interpreted,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -308,13 +308,18 @@ def test_launcher_choices() -> None:
         for fp8 in (False, True):
             assert choose_config(h_q, fp8) in CONFIGS.values()
     assert choose_config(64, fp8=True).block_h == 32 and choose_config(64).block_h == 16
-    # many query tokens and >= 64 heads: 64-head tiles over half the output dims each
-    for fp8 in (False, True):
-        wide = choose_config(64, fp8, s_q=256)
-        assert (wide.block_h, wide.dv_split) == (64, 2) and choose_config(128, fp8, s_q=4096) == wide
-        assert choose_config(16, fp8, s_q=256).block_h <= 16 and choose_config(64, fp8, s_q=8).block_h < 64
     # decode at batch 1 on 132 SMs: split topk 2048 into many programs; prefill: no split
     assert choose_num_splits(1, 1, 2048, 32, 132) == 32  # at least 64 keys per split
     assert 2 <= choose_num_splits(64, 1, 2048, 32, 132) <= 8
     assert choose_num_splits(4096, 4, 2048, 32, 132) == 1
     assert choose_num_splits(1, 1, 1, 32, 132) == 1
+    # fp8 configs: at most one wave (64 programs on 132 SMs: 2 splits, 128 programs: none)
+    for cfg in (CONFIGS[("fp8", 16)], CONFIGS[("fp8", 32)]):
+        assert not cfg.split_round_up and cfg.programs_per_sm == 1
+    assert choose_num_splits(64, 1, 2048, 32, 132, 1, round_up=False) == 2
+    assert choose_num_splits(64, 2, 2048, 32, 132, 1, round_up=False) == 1
+    assert choose_num_splits(64, 4, 2048, 32, 132, 1, round_up=False) == 1  # floor 0: still 1
+    assert choose_num_splits(8, 1, 2048, 32, 132, 1, round_up=False) == 16
+    assert choose_num_splits(64, 2, 2048, 32, 132) == 3  # bf16's rule rounds up
+    assert choose_num_splits(64, 4, 2048, 32, 132) == 1  # a full wave already: no split
+    assert choose_num_splits(33, 4, 2048, 32, 132) == 1 and choose_num_splits(32, 4, 2048, 32, 132) == 3
