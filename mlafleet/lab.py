@@ -154,9 +154,6 @@ def build_release_image(force: bool = False) -> str:
             log("installing the release with the vllm_install role")
             ansible_playbook(inv, "site.yml", "--tags", "preflight,vllm_install")
             container = hosts[0].container
-            model = write_lab_model()
-            sh("docker", "exec", container, "mkdir", "-p", "/opt/mlafleet/models")
-            sh("docker", "cp", f"{model}/.", f"{container}:/opt/mlafleet/models/tiny-llama")
             # Leave no identity in the image: host keys, machine id and the lab key go.
             # The synced wheelhouse (3 GB) is not needed once the release is installed.
             sh("docker", "exec", container, "sh", "-c",
