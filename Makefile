@@ -60,7 +60,7 @@ lab-down: setup
 demo: wheelhouse patchset lab-up
 	$(BIN)/ansible-playbook -i inventory/lab site.yml -e mlafleet_run=demo
 	@echo "== smoke report (reports/demo) =="
-	@for f in reports/demo/*.json; do $(BIN)/python -c 'import json,sys; r=json.load(open(sys.argv[1])); print(f"{r[\"host\"]}: {r[\"completion\"][\"tokens\"]} tokens in {r[\"completion\"][\"latency_ms\"]} ms: {r[\"completion\"][\"prompt\"]!r} -> {r[\"completion\"][\"text\"]!r}; chat -> {r[\"chat\"][\"text\"]!r}")' $$f; done
+	$(BIN)/mlafleet smoke-report reports/demo
 
 lint: setup
 	$(BIN)/yamllint -s .

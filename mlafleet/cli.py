@@ -14,6 +14,7 @@ import sys
 COMMANDS: dict[str, str] = {
     "lab": "mlafleet.lab",
     "patchset": "mlafleet.patchset",
+    "smoke-report": "mlafleet.smoke",
     "weights": "mlafleet.weights",
     "wheelhouse": "mlafleet.wheelhouse",
 }
