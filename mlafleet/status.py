@@ -22,6 +22,7 @@ from typing import Any
 REMOTE_SCRIPT = r'''
 import glob, json, os, subprocess, sys, time, urllib.request
 root, port = sys.argv[1], int(sys.argv[2])
+env_file = sys.argv[3] if len(sys.argv) > 3 else "/etc/mlafleet/vllm.env"
 def link(name):
     try:
         return os.path.basename(os.readlink(os.path.join(root, name)))
@@ -49,11 +50,14 @@ backup = os.path.join(venv, "mlafleet-patch-backup")
 patched = sorted(d for d in (os.listdir(backup) if os.path.isdir(backup) else [])
                  if os.path.isfile(os.path.join(backup, d, "manifest.json")))
 out["patch"] = ("patched (" + ", ".join(patched) + ")") if patched else ("pristine" if versions else "no install")
-unit = subprocess.run(["systemctl", "is-active", "vllm.service"], capture_output=True, text=True)
-out["unit"] = unit.stdout.strip() or "unknown"
+try:
+    unit = subprocess.run(["systemctl", "is-active", "vllm.service"], capture_output=True, text=True, timeout=10)
+    out["unit"] = unit.stdout.strip() or "unknown"
+except (OSError, subprocess.SubprocessError) as exc:
+    out["unit"] = "unknown (%s)" % exc.__class__.__name__
 env_release = None
 try:
-    with open("/etc/mlafleet/vllm.env") as f:
+    with open(env_file) as f:
         for line in f:
             if line.startswith("MLAFLEET_RELEASE="):
                 env_release = line.split("=", 1)[1].strip()
