@@ -52,7 +52,7 @@ def build(release: str) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     (dest / MARKER).unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-           "-r", str(lock), "-d", str(dest)]
+           "-r", str(lock), "-d", str(dest), *target_flags(lock)]
     if subprocess.run(cmd, check=False).returncode != 0:
         raise RuntimeError(f"pip download for {lock.name} failed; the wheelhouse in {dest} is incomplete")
     # Keep exactly the lock's wheels: an old version left by an earlier lock would confuse pip.
@@ -62,6 +62,26 @@ def build(release: str) -> Path:
             wheel.unlink()
     (dest / MARKER).write_text(hashlib.sha256(lock.read_bytes()).hexdigest() + "\n")
     return dest
+
+
+def target_flags(lock: Path) -> list[str]:
+    """pip flags for the hosts' interpreter, from a `# mlafleet-target: python=3.12` header line.
+
+    Hosts may run another Python than the controller (Ubuntu 24.04: 3.12), so the wheels are
+    chosen for theirs: CPython of that version, x86_64 manylinux glibc 2.17 to 2.35.
+    """
+    for line in lock.read_text().splitlines():
+        if line.startswith("# mlafleet-target:"):
+            fields = dict(f.split("=", 1) for f in line.split(":", 1)[1].split())
+            py = fields.get("python", "")
+            if not py.replace(".", "").isdigit():
+                raise ValueError(f"{lock.name}: bad target line {line!r} (want python=3.12)")
+            abi = "cp" + py.replace(".", "")
+            flags = ["--python-version", py, "--implementation", "cp", "--abi", abi, "--abi", "abi3", "--abi", "none"]
+            for glibc in range(17, 36):
+                flags += ["--platform", f"manylinux_2_{glibc}_x86_64"]
+            return flags + ["--platform", "manylinux2014_x86_64", "--platform", "manylinux1_x86_64"]
+    return []
 
 
 def _pins(lock: Path) -> list[str]:
@@ -75,7 +95,7 @@ def _norm(name: str) -> str:
 def _cmd(args: argparse.Namespace) -> int:
     try:
         path = build(args.release)
-    except (FileNotFoundError, RuntimeError) as err:
+    except (FileNotFoundError, RuntimeError, ValueError) as err:
         print(f"mlafleet wheelhouse: {err}", file=sys.stderr)
         return 1
     size = sum(p.stat().st_size for p in path.glob("*.whl"))

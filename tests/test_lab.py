@@ -1,0 +1,45 @@
+"""The lab's pure parts: image recipe hashing, inventory, the tiny served model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from mlafleet import lab
+from mlafleet.labmodel import HIDDEN, HEADS, VOCAB, write_tiny_llama
+
+
+def test_recipe_hash_is_stable_and_follows_the_recipe(tmp_path: Path, monkeypatch):
+    first = lab.recipe_hash()
+    assert first == lab.recipe_hash() and len(first) == 12
+    monkeypatch.setattr(lab, "PACKAGES", [*lab.PACKAGES, "vim"])
+    assert lab.recipe_hash() != first
+
+
+def test_inventory_names_every_host_and_links_the_lab_vars(tmp_path: Path):
+    hosts = [lab.Host("lab1", "mlafleet-lab-1", 32001, "172.20.0.2"),
+             lab.Host("lab2", "mlafleet-lab-2", 32002, "172.20.0.3")]
+    path = tmp_path / "inv" / "hosts.yml"
+    lab.write_inventory_file(path, hosts)
+    inv = yaml.safe_load(path.read_text())
+    group = inv["all"]["children"]["lab"]
+    assert group["hosts"]["lab2"]["ansible_port"] == 32002
+    assert group["hosts"]["lab1"]["lab_address"] == "172.20.0.2"
+    assert group["vars"]["ansible_connection"] == "ssh" and group["vars"]["mlafleet_lab"] is True
+    lab_vars = yaml.safe_load((path.parent / "group_vars" / "all.yml").read_text())
+    assert lab_vars["preflight_require_gpu"] is False  # CPU lab hosts say so
+
+
+def test_tiny_llama_is_deterministic_and_fits_cpu_attention(tmp_path: Path):
+    a = write_tiny_llama(tmp_path / "a", seed=0)
+    b = write_tiny_llama(tmp_path / "b", seed=0)
+    c = write_tiny_llama(tmp_path / "c", seed=1)
+    weights = lambda d: (d / "model.safetensors").read_bytes()  # noqa: E731
+    assert weights(a) == weights(b) and weights(a) != weights(c)
+    config = json.loads((a / "config.json").read_text())
+    assert config["head_dim"] == HIDDEN // HEADS in (32, 64, 80, 96, 112, 128)
+    tok = json.loads((a / "tokenizer.json").read_text())
+    assert len(tok["model"]["vocab"]) + len(tok["added_tokens"]) <= VOCAB == config["vocab_size"]
+    assert "chat_template" in json.loads((a / "tokenizer_config.json").read_text())
