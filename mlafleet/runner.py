@@ -228,7 +228,8 @@ def prepare_private_data_dir(root: Path, run: str, extravars: dict[str, Any], ch
     envvars = {"ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_ROLES_PATH": str(REPO / "roles"),
                "ANSIBLE_FORCE_COLOR": "0", "ANSIBLE_NOCOLOR": "1"}
     (pdd / "env" / "envvars").write_text(json.dumps(envvars, indent=2, sort_keys=True) + "\n")
-    cmdline = (["--check", "--diff"] if check else []) + (["--limit", limit] if limit else [])
+    # The playbooks fix the release and run ids in a play on localhost: a --limit must keep it.
+    cmdline = (["--check", "--diff"] if check else []) + (["--limit", f"{limit},localhost"] if limit else [])
     (pdd / "env" / "cmdline").write_text(" ".join(cmdline) + "\n")
     (pdd / "project").symlink_to(REPO)
     return pdd

@@ -104,6 +104,8 @@ def test_stale_lock_reported_then_broken_only_on_request(scratch):
     age = int(cause.split("(")[-1].split(" s ago")[0]) if "s ago" in cause else -1
     assert 3 * 3600 <= age < 3 * 3600 + 300
     assert json.loads((scratch["root"] / "h1.lock").read_text())["run"] == "old"
+    # --limit keeps localhost, where the playbooks fix the release and run ids.
+    assert (scratch["runner"] / "run-c" / "env" / "cmdline").read_text().split() == ["--limit", "h1,localhost"]
 
     broken = run(scratch, LOCK_PLAY, "run-d", limit="h1", extravars={"rollout_lock_break": True})
     assert broken["rc"] == 0

@@ -89,7 +89,8 @@ def main() -> None:
     )
     p = module.params
     if not p["run"]:
-        module.fail_json(msg="run must be a non-empty run id")
+        module.fail_json(msg="run must be a non-empty run id (site.yml and rollback.yml set mlafleet_run_id in a "
+                             "play on localhost: with --limit, keep localhost in the pattern)")
     now = time.time()
     lock = read_lock(p["path"])
 
