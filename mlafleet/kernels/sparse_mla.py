@@ -399,6 +399,8 @@ class KernelConfig:
     block_n: int  # keys gathered per step
     num_warps: int
     num_stages: int
+    programs_per_sm: int = 2  # choose_num_splits: how many programs per SM to aim for ...
+    split_round_up: bool = True  # ... rounding the split count up (oversubscribe) or down
 
 
 # The only configs the launcher can choose, by (cache dtype, head block). Every one must fit
@@ -406,8 +408,12 @@ class KernelConfig:
 # tests/kernels/test_sparse_mla_sm120.py compiles each for sm_120.
 CONFIGS: dict[tuple[str, int], KernelConfig] = {
     ("bf16", 16): KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
-    ("fp8", 16): KernelConfig(block_h=16, block_n=32, num_warps=8, num_stages=1),
-    ("fp8", 32): KernelConfig(block_h=32, block_n=32, num_warps=8, num_stages=2),
+    # fp8: at most one wave of programs (H200, docs/perf-kernels.md: 8x16 19.4 vs 22.5 us,
+    # 64x64 unsplit 236 us vs 297 at 3 splits)
+    ("fp8", 16): KernelConfig(block_h=16, block_n=32, num_warps=8, num_stages=1,
+                              programs_per_sm=1, split_round_up=False),
+    ("fp8", 32): KernelConfig(block_h=32, block_n=32, num_warps=8, num_stages=2,
+                              programs_per_sm=1, split_round_up=False),
 }
 MAX_SPLITS = 64  # the merge kernel holds all splits of a row in one tile
 MERGE_NUM_WARPS = 4
@@ -424,10 +430,17 @@ def choose_config(h_q: int, fp8: bool = False) -> KernelConfig:
     return CONFIGS[("fp8", 16 if h_q <= 16 else 32)]
 
 
-def choose_num_splits(s_q: int, n_head_blocks: int, topk: int, block_n: int, num_sms: int) -> int:
-    """Split each row's topk across programs when s_q x head blocks cannot fill the GPU."""
+def choose_num_splits(s_q: int, n_head_blocks: int, topk: int, block_n: int, num_sms: int,
+                      programs_per_sm: int = PROGRAMS_PER_SM, round_up: bool = True) -> int:
+    """Split each row's topk across programs when s_q x head blocks cannot fill the GPU:
+    about programs_per_sm x num_sms programs, the split count rounded up (bf16: a second
+    wave of programs hides gather latency) or down (fp8: never more than that). A grid that
+    already has a program per SM is not split (H200: bf16 64x64 170 us unsplit, 242 at 2)."""
     programs = s_q * n_head_blocks
-    wanted = math.ceil(PROGRAMS_PER_SM * num_sms / programs)
+    if programs >= num_sms:
+        return 1
+    fill = programs_per_sm * num_sms / programs
+    wanted = math.ceil(fill) if round_up else math.floor(fill)
     most = min(MAX_SPLITS, max(1, topk // max(MIN_SPLIT_TOKENS, block_n)))
     return max(1, min(wanted, most))
 
@@ -495,7 +508,8 @@ def _run(q: torch.Tensor, kv: torch.Tensor, stride_kv_tok: int, n_slots: int, in
     if num_splits is None:
         num_sms = (DEFAULT_NUM_SMS if interpreted
                    else torch.cuda.get_device_properties(q.device).multi_processor_count)
-        num_splits = choose_num_splits(s_q, n_head_blocks, topk, cfg.block_n, num_sms)
+        num_splits = choose_num_splits(s_q, n_head_blocks, topk, cfg.block_n, num_sms,
+                                       cfg.programs_per_sm, cfg.split_round_up)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"sparse MLA: num_splits must be 1 to {MAX_SPLITS}, got {num_splits}")
     tokens_per_split = triton.cdiv(triton.cdiv(topk, num_splits), cfg.block_n) * cfg.block_n

@@ -95,6 +95,28 @@ def test_heads(gen: torch.Generator, h_q: int) -> None:
     run_both(gen, q, make_cache(gen, s_kv, idx), idx)
 
 
+@pytest.mark.parametrize("key", sorted(CONFIGS))
+def test_every_config(gen: torch.Generator, key: tuple[str, int]) -> None:
+    # each config the launcher can choose, explicitly (the launcher picks some only at sizes
+    # too large for the interpreter): a partial last head block, invalid indices, split/unsplit
+    dtype, block_h = key
+    cfg = CONFIGS[key]
+    s_kv = 512
+    idx = random_indices(gen, 2, 80, s_kv)
+    idx[1, 0, ::5] = -1
+    idx[0, 0, 3] = s_kv
+    q = torch.randn(2, block_h + 8, 576, generator=gen).bfloat16()
+    kv = make_cache(gen, s_kv, idx)
+    for num_splits in (1, 3):
+        if dtype == "bf16":
+            check(*sparse_mla_fwd(q, kv, idx, SCALE, num_splits=num_splits, config=cfg),
+                  *reference_sparse_mla(q, kv, idx, SCALE))
+        else:
+            cache = make_fp8_cache(kv, idx)
+            check(*sparse_mla_fwd_fp8(q, cache, idx, SCALE, num_splits=num_splits, config=cfg),
+                  *reference_sparse_mla_fp8(q, cache, idx, SCALE))
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_all_indices_invalid(gen: torch.Generator, num_splits: int) -> None:
     s_kv = 256
@@ -291,3 +313,13 @@ def test_launcher_choices() -> None:
     assert 2 <= choose_num_splits(64, 1, 2048, 32, 132) <= 8
     assert choose_num_splits(4096, 4, 2048, 32, 132) == 1
     assert choose_num_splits(1, 1, 1, 32, 132) == 1
+    # fp8 configs: at most one wave (64 programs on 132 SMs: 2 splits, 128 programs: none)
+    for cfg in (CONFIGS[("fp8", 16)], CONFIGS[("fp8", 32)]):
+        assert not cfg.split_round_up and cfg.programs_per_sm == 1
+    assert choose_num_splits(64, 1, 2048, 32, 132, 1, round_up=False) == 2
+    assert choose_num_splits(64, 2, 2048, 32, 132, 1, round_up=False) == 1
+    assert choose_num_splits(64, 4, 2048, 32, 132, 1, round_up=False) == 1  # floor 0: still 1
+    assert choose_num_splits(8, 1, 2048, 32, 132, 1, round_up=False) == 16
+    assert choose_num_splits(64, 2, 2048, 32, 132) == 3  # bf16's rule rounds up
+    assert choose_num_splits(64, 4, 2048, 32, 132) == 1  # a full wave already: no split
+    assert choose_num_splits(33, 4, 2048, 32, 132) == 1 and choose_num_splits(32, 4, 2048, 32, 132) == 3
