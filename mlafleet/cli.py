@@ -1,8 +1,9 @@
 """The `mlafleet` command line: one subcommand per module.
 
-Each module named in COMMANDS provides `register(subparsers)`, which adds its subparser and
-sets `func(args) -> int` on it. Modules are imported when the parser is built, so they keep
-their import light (no torch, no vLLM).
+Each module named in COMMANDS provides `register(subparsers)`, which adds its subparsers (one
+module may provide several commands, e.g. mlafleet.runner) and sets `func(args) -> int` on
+each. Modules are imported when the parser is built, so they keep their import light (no
+torch, no vLLM).
 """
 
 from __future__ import annotations
@@ -13,8 +14,12 @@ import sys
 
 COMMANDS: dict[str, str] = {
     "lab": "mlafleet.lab",
+    "plan": "mlafleet.runner",
     "patchset": "mlafleet.patchset",
+    "rollback": "mlafleet.runner",
+    "rollout": "mlafleet.runner",
     "smoke-report": "mlafleet.smoke",
+    "status": "mlafleet.status",
     "weights": "mlafleet.weights",
     "wheelhouse": "mlafleet.wheelhouse",
 }
@@ -23,7 +28,7 @@ COMMANDS: dict[str, str] = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlafleet", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in COMMANDS.values():
+    for module in dict.fromkeys(COMMANDS.values()):  # a module may provide several commands
         importlib.import_module(module).register(subparsers)
     return parser
 
