@@ -226,7 +226,9 @@ def prepare_private_data_dir(root: Path, run: str, extravars: dict[str, Any], ch
     (pdd / "env").mkdir(parents=True)
     (pdd / "env" / "extravars").write_text(json.dumps(extravars, indent=2, sort_keys=True) + "\n")
     envvars = {"ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_ROLES_PATH": str(REPO / "roles"),
-               "ANSIBLE_FORCE_COLOR": "0", "ANSIBLE_NOCOLOR": "1"}
+               "ANSIBLE_FORCE_COLOR": "0", "ANSIBLE_NOCOLOR": "1",
+               # ansible-playbook from the same venv as mlafleet, whatever the caller's PATH.
+               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     (pdd / "env" / "envvars").write_text(json.dumps(envvars, indent=2, sort_keys=True) + "\n")
     # The playbooks fix the release and run ids in a play on localhost: a --limit must keep it.
     cmdline = (["--check", "--diff"] if check else []) + (["--limit", f"{limit},localhost"] if limit else [])
