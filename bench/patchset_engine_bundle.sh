@@ -8,7 +8,7 @@
 #   bench/patchset_engine_h200.sh /tmp/mb/bundle /tmp/mb/bundle/tiny-glm5 $OUT
 set -euo pipefail
 cd "$(dirname "$0")/.."
-wheel=${MLAFLEET_CACHE_DIR:-$HOME/.cache/mlafleet}/dl/vllm-0.20.2-cp38-abi3-manylinux_2_35_x86_64.whl
+wheel=${MLAFLEET_CACHE:-$HOME/.cache/mlafleet}/dl/vllm-0.20.2-cp38-abi3-manylinux_2_35_x86_64.whl
 built=build/patchset/0.20.2/files
 model=${MLAFLEET_TINY_GLM5:-../shared/notes/tiny-glm5}
 [ -d "$built" ] || { echo "run: mlafleet patchset build --vllm 0.20.2" >&2; exit 1; }

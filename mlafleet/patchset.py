@@ -219,7 +219,9 @@ def apply_edit(text: str, edit: Edit, target: str) -> str:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("MLAFLEET_CACHE_DIR", Path.home() / ".cache" / "mlafleet")) / "dl"
+    from mlafleet.wheelhouse import cache_dir
+
+    return cache_dir() / "dl"
 
 
 def fetch_wheel(spec: Spec, cache_dir: Path | None = None) -> Path:
