@@ -72,6 +72,7 @@ pytest: setup vllm-venv patchset
 
 molecule: setup patchset lab-images lab-release-image
 	$(BIN)/mlafleet lab key >/dev/null
+	$(BIN)/mlafleet lab model >/dev/null
 	for s in $(SCENARIOS); do $(BIN)/molecule test -s $$s; done
 
 test: lint pytest molecule

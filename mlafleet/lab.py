@@ -307,6 +307,8 @@ def _cmd(args: argparse.Namespace) -> int:
             down(args.name)
         elif args.lab_command == "key":
             print(ensure_key())
+        elif args.lab_command == "model":
+            print(write_lab_model())
     except LabError as err:
         print(f"mlafleet lab: {err}", file=sys.stderr)
         return 1
@@ -326,4 +328,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     downp = sub.add_parser("down", help="remove the lab hosts")
     downp.add_argument("--name", default="lab")
     sub.add_parser("key", help="create the lab SSH key (used by molecule scenarios too)")
+    sub.add_parser("model", help="write the tiny model the lab serves into .lab/models/tiny-llama")
     p.set_defaults(func=_cmd)
