@@ -1,0 +1,44 @@
+#!/bin/bash
+# On the controller: pack what the end-to-end engine run needs on the GPU machine (H200 image:
+# Python 3.12, torch 2.11.0+cu130, no network) into parts of at most 60 MiB under .dev/e2e/pN
+# (one device call carries at most 64 MiB, working tree included). Nothing of it is committed.
+#
+#   mlafleet patchset build --vllm 0.20.2     # the built patch set and the pinned, checked wheel
+#   bench/engine_bundle.sh
+#
+# Then, in consecutive device calls (the machine keeps /tmp while warm), each carrying .dev/e2e/pK:
+#   mkdir -p /tmp/e2e-parts && cp .dev/e2e/pK/* /tmp/e2e-parts/
+# and in the last one, carrying build/patchset too: bench/engine_gpu.sh setup /tmp/e2e-parts
+#
+# What travels:
+#   vllm-site.tar.xz  the pristine vllm==0.20.2 wheel unpacked (dist-info included, so the
+#                     vllm_patch role probes its version), without the FA2 binary
+#                     (vllm_flash_attn/_vllm_fa2_C.abi3.so, 191 MB; the MLA layer needs one of
+#                     FA2/FA3 and loads FA3 on SM90). The patch set is NOT in it: the role applies it there.
+#   wheels/vllm       vLLM's requirements that the image lacks, at versions whose own requirements
+#                     the image satisfies (read 2026-11-29)
+#   wheels/ansible    ansible-core (the controller's pin) and what the image lacks of its requirements
+set -euo pipefail
+cd "$(dirname "$0")/.."
+wheel=${MLAFLEET_CACHE:-$HOME/.cache/mlafleet}/dl/vllm-0.20.2-cp38-abi3-manylinux_2_35_x86_64.whl
+[ -f build/patchset/0.20.2/manifest.json ] && [ -f "$wheel" ] ||
+  { echo "run first: mlafleet patchset build --vllm 0.20.2 (builds the patch set, downloads and checks the wheel)" >&2; exit 1; }
+out=.dev/e2e && rm -rf "$out" && mkdir -p "$out/bundle/site" "$out/bundle/wheels/vllm" "$out/bundle/wheels/ansible"
+unzip -q "$wheel" -d "$out/bundle/site" -x 'vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so'
+tar -C "$out/bundle/site" -cf - . | xz -T2 -6 > "$out/bundle/vllm-site.tar.xz" && rm -rf "$out/bundle/site"
+download() {
+  local dest=$1; shift
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_34_x86_64 \
+    -d "$dest" "$@"
+}
+download "$out/bundle/wheels/vllm" "pydantic==2.14.4" "pydantic-core==2.50.5" annotated-types typing-inspection \
+  msgspec "pyzmq>=25" cbor2 cachetools pybase64 setproctitle partial-json-parser "openai>=2,<3" jiter distro \
+  sniffio "fastapi>=0.115,<0.130" "starlette<1" tqdm "gguf>=0.17" "xgrammar>=0.1.32,<0.2" \
+  "apache-tvm-ffi==0.1.9" "llguidance>=1.3,<1.4" "openai-harmony>=0.0.3" "compressed-tensors==0.15.0.1" loguru
+download "$out/bundle/wheels/ansible" "ansible-core==2.19.14" "resolvelib>=0.5.3,<2" "cryptography==50.0.2" \
+  "cffi>=2" pycparser
+(cd "$out" && tar -cf - bundle | split -b 60M -d - all.tar.part- && rm -rf bundle)
+for part in "$out"/all.tar.part-*; do d="$out/p$((10#${part##*-} + 1))"; mkdir -p "$d" && mv "$part" "$d/"; done
+du -sh "$out"/p*

@@ -1,0 +1,192 @@
+"""The patched vLLM 0.20.2 engine on a GPU, one configuration per process: what it computed, how fast.
+
+    python bench/engine_e2e.py run OUT.json --model DIR --backend TRITON_MLA_SPARSE \\
+        --kv fp8_ds_mla --indexer fallback [--gguf] [--tp 2]
+    python bench/engine_e2e.py compare OUT_DIR/*.json     # a markdown report on stdout
+
+The model is the project's tiny GLM-5 (`mlafleet.tinymodel.write_tiny_glm5`: GLM-5's attention
+and indexer geometry, 2 layers, random weights) loaded from its safetensors or, with --gguf,
+from its 3 GGUF shards through the patch set's glm-dsa loader. Prompts are token ids.
+
+1. Correctness: 4 prompts (3000 and 2100 tokens, so the indexer's top-2048 selection drops
+   tokens; 700 and 40 tokens), prompt log-probabilities (the prefill path), 32 greedy tokens
+   with their top-2 log-probabilities (the decode path).
+2. Throughput at batch 1 and 32 (3000-token prompts, prefix caching off): the same batch once
+   with 1 output token (prefill) and once with 65 (ignore_eos); decode tok/s = batch x 64 /
+   (t65 - t1), output tok/s = batch x 65 / t65. Each batch size gets an untimed pass at the timed
+   shapes first (kernels compile per shape on first use); each timing is the faster of two.
+   The engine runs eagerly (no CUDA graphs), the same for every backend.
+
+--indexer fallback sets MLAFLEET_INDEXER_FALLBACK=1 (the DeepGEMM-free indexer) and
+MLAFLEET_INDEXER_TOPK (default triton: the top-k that SM120 runs); deepgemm leaves vLLM's own
+DeepGEMM indexer. bench/engine_gpu.sh keeps each run's log and prints the engine's lines naming
+the indexer path, so a report shows what really ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+
+PROMPT_LENGTHS = [3000, 2100, 700, 40]
+GREEDY_TOKENS = 32
+BATCHES = (1, 32)
+THROUGHPUT_PROMPT = 3000
+DECODE_TOKENS = 64
+
+
+def _prompts(lengths: list[int], seed: int, vocab: int) -> list:
+    import torch
+    from vllm.inputs import TokensPrompt
+
+    gen = torch.Generator().manual_seed(seed)
+    return [TokensPrompt(prompt_token_ids=torch.randint(1, vocab, (n,), generator=gen).tolist()) for n in lengths]
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.indexer == "fallback":
+        os.environ["MLAFLEET_INDEXER_FALLBACK"] = "1"
+        os.environ["MLAFLEET_INDEXER_TOPK"] = args.topk
+    else:
+        os.environ.pop("MLAFLEET_INDEXER_FALLBACK", None)
+    from vllm import LLM, SamplingParams
+
+    config = json.load(open(os.path.join(args.model, "config.json")))
+    vocab = config["vocab_size"]
+    model = sorted(glob.glob(os.path.join(args.model, "*-00001-of-*.gguf")))[0] if args.gguf else args.model
+    start = time.perf_counter()
+    llm = LLM(model=model, tokenizer=args.model, dtype="bfloat16", enforce_eager=not args.graphs, max_model_len=4096,
+              seed=0, gpu_memory_utilization=0.45, kv_cache_dtype=args.kv, enable_prefix_caching=False,
+              tensor_parallel_size=args.tp, disable_custom_all_reduce=True, max_num_seqs=64,
+              attention_config={"backend": args.backend},
+              **({"max_num_batched_tokens": args.chunk} if args.chunk else {}))
+    result = {"backend": args.backend, "kv_cache_dtype": args.kv, "indexer": args.indexer,
+              "topk": args.topk if args.indexer == "fallback" else "vllm", "weights": "gguf" if args.gguf else "safetensors",
+              "tp": args.tp, "heads": config["num_attention_heads"], "chunk": args.chunk, "graphs": args.graphs, "engine_start_s": round(time.perf_counter() - start, 1)}
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=0, detokenize=False)
+    outputs = llm.generate(_prompts(PROMPT_LENGTHS, 0, vocab), greedy, use_tqdm=False)
+    result["requests"] = []
+    for output in outputs:
+        completion = output.outputs[0]
+        steps = []
+        for token, candidates in zip(completion.token_ids, completion.logprobs):
+            ranked = sorted(candidates.items(), key=lambda kv: kv[1].rank)
+            steps.append({"token": token, "logprob": candidates[token].logprob,
+                          "top2": [[t, lp.logprob] for t, lp in ranked[:2]]})
+        result["requests"].append({
+            "prompt_len": len(output.prompt_token_ids), "tokens": list(completion.token_ids), "steps": steps,
+            "prompt_logprobs": [next(iter(d.values())).logprob if d else None for d in output.prompt_logprobs],
+        })
+
+    # Timing: per batch size, one untimed pass at exactly the timed shapes first (Triton and
+    # DeepGEMM compile per shape on first use), then each measurement twice, keeping the faster.
+    result["throughput"] = []
+    for batch in BATCHES:
+        def timed(n_out: int, seed: int) -> float:
+            prompts = _prompts([THROUGHPUT_PROMPT] * batch, seed, vocab)
+            params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True, detokenize=False)
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            elapsed = time.perf_counter() - t0
+            assert all(len(o.outputs[0].token_ids) == n_out for o in outs)
+            return elapsed
+
+        timed(DECODE_TOKENS + 1, 99)
+        t1 = min(timed(1, 1000 + batch + r) for r in range(2))
+        t65 = min(timed(DECODE_TOKENS + 1, 2000 + batch + r) for r in range(2))
+        result["throughput"].append({
+            "batch": batch, "prefill_s": round(t1, 3), "total_s": round(t65, 3),
+            "prefill_tok_s": round(batch * THROUGHPUT_PROMPT / t1),
+            "decode_tok_s": round(batch * DECODE_TOKENS / (t65 - t1), 1),
+            "output_tok_s": round(batch * (DECODE_TOKENS + 1) / t65, 1)})
+    with open(args.out, "w") as handle:
+        json.dump(result, handle)
+    print(json.dumps({k: v for k, v in result.items() if k != "requests"}), flush=True)
+
+
+def _label(r: dict) -> str:
+    return (f"{r['backend']} + {'DeepGEMM' if r['indexer'] == 'deepgemm' else 'DeepGEMM-free (' + r['topk'] + ' top-k)'}"
+            f" indexer, {r['kv_cache_dtype']}, {r['weights']}, TP{r['tp']}, {r['heads']} heads"
+            + (f", prefill chunks of {r['chunk']} tokens" if r.get("chunk") else "")
+            + (", compiled + CUDA graphs" if r.get("graphs") else ", eager"))
+
+
+def _pair(ref: dict, run: dict) -> dict:
+    """Token-by-token agreement of `run` with `ref` (same model, prompts and KV dtype)."""
+    rows = []
+    for a, b in zip(ref["requests"], run["requests"]):
+        pa = [x for x in a["prompt_logprobs"] if x is not None]
+        pb = [x for x in b["prompt_logprobs"] if x is not None]
+        diffs = [abs(x - y) for x, y in zip(pa, pb)]
+        first = next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), None)
+        row = {"prompt_len": a["prompt_len"], "equal": sum(x == y for x, y in zip(a["tokens"], b["tokens"])),
+               "of": len(a["tokens"]), "first_divergence": first,
+               "prompt_lp_max_diff": max(diffs), "prompt_lp_mean_diff": sum(diffs) / len(diffs),
+               "gen_lp_max_diff": max(abs(x["logprob"] - y["logprob"]) for x, y in
+                                      zip(a["steps"][:first], b["steps"][:first])) if first != 0 else None}
+        if first is not None:  # how close the reference's top-2 were where the runs parted
+            top = a["steps"][first]["top2"]
+            row["ref_top2_margin_at_divergence"] = top[0][1] - top[1][1] if len(top) > 1 else None
+            row["run_token_in_ref_top2"] = b["tokens"][first] in [t for t, _ in top]
+        rows.append(row)
+    return rows
+
+
+def compare(paths: list[str]) -> None:
+    runs = [json.load(open(p)) for p in paths]
+    print("| configuration | engine start s | batch | prefill tok/s | decode tok/s | output tok/s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in runs:
+        for t in r["throughput"]:
+            print(f"| {_label(r)} | {r['engine_start_s']} | {t['batch']} | {t['prefill_tok_s']} | "
+                  f"{t['decode_tok_s']} | {t['output_tok_s']} |")
+    print()
+    print("| reference | compared | prompt len | greedy tokens equal | first divergence | "
+          "ref top-2 margin there | prompt logprob max / mean abs diff | generated logprob max abs diff |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    # references: vLLM's own path at the default prefill chunking; a reference run with other
+    # chunking (--chunk) is compared with it too: the size of differences vLLM has with itself
+    refs = [r for r in runs if r["backend"] == "FLASHMLA_SPARSE" and r["indexer"] == "deepgemm" and not r.get("chunk")]
+    for run in runs:
+        for ref in refs:
+            same = all(run.get(k) == ref.get(k) for k in ("kv_cache_dtype", "weights", "tp", "heads", "graphs"))
+            if run is ref or not same:
+                continue
+            for row in _pair(ref, run):
+                margin = row.get("ref_top2_margin_at_divergence")
+                gen = row["gen_lp_max_diff"]
+                print(f"| {_label(ref)} | {_label(run)} | {row['prompt_len']} | {row['equal']}/{row['of']} | "
+                      f"{'-' if row['first_divergence'] is None else row['first_divergence']} | "
+                      f"{'-' if margin is None else f'{margin:.4f}'} | "
+                      f"{row['prompt_lp_max_diff']:.4f} / {row['prompt_lp_mean_diff']:.5f} | "
+                      f"{'-' if gen is None else f'{gen:.4f}'} |")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "compare":
+        compare(sys.argv[2:])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=["run"])
+    parser.add_argument("out")
+    parser.add_argument("--model", required=True, help="the tiny GLM-5 folder (config, tokenizer, weights)")
+    parser.add_argument("--backend", required=True, choices=["TRITON_MLA_SPARSE", "FLASHMLA_SPARSE"])
+    parser.add_argument("--kv", default="auto", choices=["auto", "fp8_ds_mla"])
+    parser.add_argument("--indexer", default="deepgemm", choices=["deepgemm", "fallback"])
+    parser.add_argument("--topk", default="triton", choices=["triton", "vllm", "torch"])
+    parser.add_argument("--gguf", action="store_true", help="load the GGUF shards instead of safetensors")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--graphs", action="store_true", help="vLLM's default compilation and CUDA graphs "
+                        "instead of eager mode")
+    parser.add_argument("--chunk", type=int, help="max_num_batched_tokens (prefill chunking; default vLLM's)")
+    run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()

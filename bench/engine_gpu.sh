@@ -1,0 +1,121 @@
+#!/bin/bash
+# On the GPU machine (H200 image, from the repository root): the patched vLLM 0.20.2 engine end to end.
+#
+#   bench/engine_gpu.sh setup PARTS_DIR    unpack bench/engine_bundle.sh's parts into a venv (the
+#                                          image's torch behind it), patch that venv with the
+#                                          vllm_patch role (bench/engine_patch.yml), write the tiny
+#                                          GLM-5 (safetensors + 3 GGUF shards; an 8-head variant)
+#   bench/engine_gpu.sh single OUT_DIR     1 GPU per run, two runs at a time on GPUs 0 and 1:
+#                                          FLASHMLA_SPARSE + DeepGEMM (vLLM's own, reference) and
+#                                          TRITON_MLA_SPARSE + the DeepGEMM-free indexer, bf16 and
+#                                          fp8_ds_mla KV, safetensors and GGUF, and the
+#                                          two mixed pairs (attention of one, indexer of the other)
+#   bench/engine_gpu.sh heads8 OUT_DIR     the same pair with 8 heads (one rank of GLM-5 at TP8)
+#   bench/engine_gpu.sh control OUT_DIR    vLLM's own path with prefill chunks of 2048 tokens (compare
+#                                          with the single/heads8 references: vLLM's self-difference)
+#   bench/engine_gpu.sh tp2 OUT_DIR        tensor parallel 2 over GPUs 0,1 (32 heads per rank)
+#
+# Every run writes /tmp/e2e/results/<name>.json (bench/engine_e2e.py) and <name>.log; the phase
+# ends with OUT_DIR/<phase>.md (the comparison) and OUT_DIR/<phase>-results.tar.gz (all of it).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+work=/tmp/e2e venv=/tmp/e2e/venv models=/tmp/e2e/models results=/tmp/e2e/results
+# NVLink multicast stays off on the shared machines (device notes); vLLM's symmetric-memory
+# all-reduce is kept off with it.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} VLLM_CACHE_ROOT=$work/cache PYTHONUNBUFFERED=1
+
+setup() {
+  set -e
+  local parts=$1
+  rm -rf "$work" && mkdir -p "$work" "$results"
+  cat "$parts"/all.tar.part-* | tar -C "$work" -xf -
+  python3 -m venv --without-pip "$venv"
+  local site image
+  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  image=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "$image" > "$site/zz-gpu-image-site.pth"   # torch 2.11.0+cu130, triton: the image's own
+  xz -d -T0 < "$work/bundle/vllm-site.tar.xz" | tar -C "$site" -xf -
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$work"/bundle/wheels/vllm/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$work/ansible" "$work"/bundle/wheels/ansible/*.whl
+  echo "== vllm_patch role on $venv"
+  LC_ALL=C.UTF-8 PYTHONPATH="$work/ansible" ANSIBLE_ROLES_PATH="$PWD/roles" ANSIBLE_LOCALHOST_WARNING=False \
+    ANSIBLE_NOCOLOR=1 python3 "$work/ansible/bin/ansible-playbook" -i localhost, bench/engine_patch.yml \
+    -e engine_venv="$venv" -e ansible_python_interpreter="$(command -v python3)" -v | tail -25
+  "$venv/bin/python" -c "import vllm, torch; from vllm.v1.attention.backends.registry import AttentionBackendEnum as E; print('vllm', vllm.__version__, 'torch', torch.__version__, E.TRITON_MLA_SPARSE.get_path())"
+  echo "== tiny GLM-5"
+  PYTHONPATH=$PWD "$venv/bin/python" - "$models" <<'PY'
+import json, sys, time
+from mlafleet.tinymodel import load_config, write_tiny_glm5
+t = time.time()
+paths = write_tiny_glm5(f"{sys.argv[1]}/tiny-glm5", gguf_shards=3, gguf_type="Q8_0", seed=0)
+eight = dict(load_config(), num_attention_heads=8, num_key_value_heads=8)
+write_tiny_glm5(f"{sys.argv[1]}/tiny-glm5-8heads", gguf_shards=0, seed=0, config=eight)
+print("written in %.0f s:" % (time.time() - t), [p.name for p in paths["gguf"]], paths["safetensors"].stat().st_size)
+PY
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
+}
+
+# one run: NAME GPUS ARGS... (GPUS: CUDA_VISIBLE_DEVICES)
+one() {
+  local name=$1 gpus=$2; shift 2
+  local t0=$SECONDS
+  CUDA_VISIBLE_DEVICES=$gpus timeout 420 "$venv/bin/python" bench/engine_e2e.py run "$results/$name.json" "$@" \
+    > "$results/$name.log" 2>&1
+  local rc=$?
+  echo "== $name (GPU $gpus): rc $rc, $((SECONDS - t0)) s"
+  grep -E "Using AttentionBackendEnum|DSA indexer|DeepGEMM E8M0" "$results/$name.log" | sort -u | head -4 | cut -c1-220
+  [ $rc -eq 0 ] && tail -1 "$results/$name.log" | cut -c1-600 || grep -E "Error|error" "$results/$name.log" | tail -6 | cut -c1-400
+}
+
+# two lanes of runs side by side: lane A on GPU 0, lane B on GPU 1
+lanes() {
+  local a=$1 b=$2
+  (eval "$a") > "$work/laneA.txt" 2>&1 & local pa=$!
+  (eval "$b") > "$work/laneB.txt" 2>&1 & local pb=$!
+  wait $pa $pb; cat "$work/laneA.txt" "$work/laneB.txt"
+}
+
+finish() {
+  local phase=$1 out=$2; shift 2
+  local files=()
+  for n in "$@"; do [ -f "$results/$n.json" ] && files+=("$results/$n.json"); done
+  "$venv/bin/python" bench/engine_e2e.py compare "${files[@]}" | tee "$out/$phase.md"
+  tar -C "$results" -czf "$out/$phase-results.tar.gz" .
+}
+
+m=$models/tiny-glm5 m8=$models/tiny-glm5-8heads
+ref="--backend FLASHMLA_SPARSE --indexer deepgemm" ours="--backend TRITON_MLA_SPARSE --indexer fallback"
+case ${1:-} in
+  setup) setup "$2" ;;
+  single)
+    # the two mixed pairs (vLLM's attention with our indexer and the reverse) tell which part a
+    # difference comes from
+    lanes "one ref-bf16 0 --model $m $ref; one ref-fp8 0 --model $m $ref --kv fp8_ds_mla; one ref-gguf 0 --model $m $ref --gguf; one mix-flashmla-free 0 --model $m --backend FLASHMLA_SPARSE --indexer fallback" \
+          "one ours-bf16 1 --model $m $ours; one ours-fp8 1 --model $m $ours --kv fp8_ds_mla; one ours-gguf 1 --model $m $ours --gguf; one mix-triton-deepgemm 1 --model $m --backend TRITON_MLA_SPARSE --indexer deepgemm"
+    finish single "$2" ref-bf16 ref-fp8 ref-gguf ours-bf16 ours-fp8 ours-gguf mix-flashmla-free mix-triton-deepgemm ;;
+  heads8)
+    lanes "one ref8-bf16 0 --model $m8 $ref; one ref8-fp8 0 --model $m8 $ref --kv fp8_ds_mla" \
+          "one ours8-bf16 1 --model $m8 $ours; one ours8-fp8 1 --model $m8 $ours --kv fp8_ds_mla"
+    finish heads8 "$2" ref8-bf16 ref8-fp8 ours8-bf16 ours8-fp8 ;;
+  control)  # vLLM against itself: its own path with the prefills cut into 2048-token chunks
+    lanes "one refchunk-bf16 0 --model $m $ref --chunk 2048" "one ref8chunk-bf16 1 --model $m8 $ref --chunk 2048"
+    finish control "$2" refchunk-bf16 ref8chunk-bf16 ;;
+  graphs)  # vLLM's default mode (torch.compile + CUDA graphs) instead of eager, bf16
+    lanes "one refgraphs-bf16 0 --model $m $ref --graphs" "one oursgraphs-bf16 1 --model $m $ours --graphs"
+    finish graphs "$2" refgraphs-bf16 oursgraphs-bf16 ;;
+  graphs-fp8)
+    lanes "one refgraphs-fp8 0 --model $m $ref --graphs --kv fp8_ds_mla" "one oursgraphs-fp8 1 --model $m $ours --graphs --kv fp8_ds_mla"
+    finish graphs-fp8 "$2" refgraphs-fp8 oursgraphs-fp8 ;;
+  tp2-graphs)
+    one reftp2graphs-bf16 0,1 --model "$m" $ref --tp 2 --graphs
+    one ourstp2graphs-bf16 0,1 --model "$m" $ours --tp 2 --graphs
+    finish tp2-graphs "$2" reftp2graphs-bf16 ourstp2graphs-bf16 ;;
+  tp2)
+    for spec in "reftp2-bf16:$ref" "ourstp2-bf16:$ours" "reftp2-fp8:$ref --kv fp8_ds_mla" "ourstp2-fp8:$ours --kv fp8_ds_mla"; do
+      # shellcheck disable=SC2086
+      one "${spec%%:*}" 0,1 --model $m --tp 2 ${spec#*:}
+    done
+    finish tp2 "$2" reftp2-bf16 reftp2-fp8 ourstp2-bf16 ourstp2-fp8 ;;
+  *) echo "usage: $0 setup PARTS_DIR | single|heads8|control|graphs|graphs-fp8|tp2|tp2-graphs OUT_DIR" >&2; exit 2 ;;
+esac

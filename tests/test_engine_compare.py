@@ -1,0 +1,77 @@
+"""bench/engine_e2e.py's comparison of engine runs (what docs/e2e-h200.md's tables come from)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "engine_e2e.py"
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    spec = importlib.util.spec_from_file_location("engine_e2e", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(backend="FLASHMLA_SPARSE", indexer="deepgemm", kv="auto", chunk=None):
+    requests = []
+    for n, base in ((3000, 100), (40, 900)):
+        tokens = [base + i for i in range(8)]
+        steps = [{"token": t, "logprob": -5.0 - i / 100, "top2": [[t, -5.0 - i / 100], [t + 1, -5.25 - i / 100]]}
+                 for i, t in enumerate(tokens)]
+        requests.append({"prompt_len": n, "tokens": tokens, "steps": steps,
+                         "prompt_logprobs": [None] + [-6.0 - (i % 7) / 10 for i in range(n - 1)]})
+    return {"backend": backend, "indexer": indexer, "topk": "triton", "kv_cache_dtype": kv, "weights": "safetensors",
+            "tp": 1, "heads": 64, "chunk": chunk, "graphs": False, "engine_start_s": 10.0, "requests": requests,
+            "throughput": [{"batch": 1, "prefill_s": 0.01, "total_s": 0.5, "prefill_tok_s": 300000,
+                            "decode_tok_s": 130.0, "output_tok_s": 128.0}]}
+
+
+def test_identical_runs_agree_everywhere(e2e):
+    ref = _run()
+    rows = e2e._pair(ref, copy.deepcopy(ref))
+    assert [(r["equal"], r["of"], r["first_divergence"]) for r in rows] == [(8, 8, None), (8, 8, None)]
+    assert all(r["prompt_lp_max_diff"] == 0 and r["gen_lp_max_diff"] == 0 for r in rows)
+
+
+def test_divergence_is_located_and_explained_by_the_reference_margin(e2e):
+    ref, run = _run(), _run("TRITON_MLA_SPARSE", "fallback")
+    req = run["requests"][0]
+    req["tokens"][5] = ref["requests"][0]["steps"][5]["top2"][1][0]  # the reference's runner-up
+    req["steps"][2]["logprob"] += 0.03
+    req["prompt_logprobs"][10] += 0.2
+    row = e2e._pair(ref, run)[0]
+    assert (row["equal"], row["first_divergence"]) == (7, 5)
+    assert row["ref_top2_margin_at_divergence"] == pytest.approx(0.25)
+    assert row["run_token_in_ref_top2"] is True
+    assert row["gen_lp_max_diff"] == pytest.approx(0.03)
+    assert row["prompt_lp_max_diff"] == pytest.approx(0.2)
+    assert row["prompt_lp_mean_diff"] == pytest.approx(0.2 / 2999)
+    req["tokens"][5] = 4242  # not among the reference's two best
+    assert e2e._pair(ref, run)[0]["run_token_in_ref_top2"] is False
+
+
+def test_compare_pairs_runs_with_their_own_reference_only(e2e, tmp_path, capsys):
+    runs = {"ref": _run(), "ref-fp8": _run(kv="fp8_ds_mla"), "ours": _run("TRITON_MLA_SPARSE", "fallback"),
+            "ours-fp8": _run("TRITON_MLA_SPARSE", "fallback", kv="fp8_ds_mla"), "chunked": _run(chunk=2048)}
+    runs["ours-fp8"]["requests"][1]["tokens"][0] = 1
+    paths = []
+    for name, run in runs.items():
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(run))
+    e2e.compare([str(p) for p in paths])
+    out = capsys.readouterr().out
+    pairs = [line for line in out.splitlines() if line.startswith("| FLASHMLA_SPARSE + DeepGEMM indexer") and "| 3000 |" in line]
+    # ours against ref, ours-fp8 against ref-fp8, the chunked reference against ref: never across KV dtypes
+    assert len(pairs) == 3
+    assert all(("fp8_ds_mla" in p.split("|")[1]) == ("fp8_ds_mla" in p.split("|")[2]) for p in pairs)
+    assert "prefill chunks of 2048 tokens" in out
+    assert "| 40 | 7/8 | 0 | 0.2500 |" in out  # ours-fp8's first token on the short prompt
+    assert out.count("| 300000 |") == 5  # one throughput row per run
