@@ -177,7 +177,8 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--model", required=True, help="the tiny GLM-5 folder (config, tokenizer, weights)")
     parser.add_argument("--backend", required=True, choices=["TRITON_MLA_SPARSE", "FLASHMLA_SPARSE"])
-    parser.add_argument("--kv", default="auto", choices=["auto", "fp8_ds_mla"])
+    parser.add_argument("--kv", default="auto", choices=["auto", "fp8_ds_mla", "fp8"],
+                        help="fp8: the operator's usual flag, which the MLA layer turns into fp8_ds_mla")
     parser.add_argument("--indexer", default="deepgemm", choices=["deepgemm", "fallback"])
     parser.add_argument("--topk", default="triton", choices=["triton", "vllm", "torch"])
     parser.add_argument("--gguf", action="store_true", help="load the GGUF shards instead of safetensors")

@@ -64,7 +64,7 @@ one() {
     > "$results/$name.log" 2>&1
   local rc=$?
   echo "== $name (GPU $gpus): rc $rc, $((SECONDS - t0)) s"
-  grep -E "Using AttentionBackendEnum|DSA indexer|DeepGEMM E8M0" "$results/$name.log" | sort -u | head -4 | cut -c1-220
+  grep -E "Using AttentionBackendEnum|DSA indexer|DeepGEMM E8M0|fp8_ds_mla KV cache format" "$results/$name.log" | sort -u | head -4 | cut -c1-220
   [ $rc -eq 0 ] && tail -1 "$results/$name.log" | cut -c1-600 || grep -E "Error|error" "$results/$name.log" | tail -6 | cut -c1-400
 }
 
@@ -111,11 +111,14 @@ case ${1:-} in
     one reftp2graphs-bf16 0,1 --model "$m" $ref --tp 2 --graphs
     one ourstp2graphs-bf16 0,1 --model "$m" $ours --tp 2 --graphs
     finish tp2-graphs "$2" reftp2graphs-bf16 ourstp2graphs-bf16 ;;
+  fp8-alias)  # `--kv-cache-dtype fp8` with TRITON_MLA_SPARSE (the patch set's mla-fp8-kv edit)
+    one ours-fp8alias 0 --model "$m" $ours --kv fp8
+    tar -C "$results" -czf "$2/fp8-alias-results.tar.gz" . ;;
   tp2)
     for spec in "reftp2-bf16:$ref" "ourstp2-bf16:$ours" "reftp2-fp8:$ref --kv fp8_ds_mla" "ourstp2-fp8:$ours --kv fp8_ds_mla"; do
       # shellcheck disable=SC2086
       one "${spec%%:*}" 0,1 --model $m --tp 2 ${spec#*:}
     done
     finish tp2 "$2" reftp2-bf16 reftp2-fp8 ourstp2-bf16 ourstp2-fp8 ;;
-  *) echo "usage: $0 setup PARTS_DIR | single|heads8|control|graphs|graphs-fp8|tp2|tp2-graphs OUT_DIR" >&2; exit 2 ;;
+  *) echo "usage: $0 setup PARTS_DIR | single|heads8|control|graphs|graphs-fp8|fp8-alias|tp2|tp2-graphs OUT_DIR" >&2; exit 2 ;;
 esac

@@ -136,4 +136,5 @@ def test_backend_forward_through_vllm_index_conversion(vllm_python: str, overlay
                           {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}, marker="backend-forward:")
     assert report["bf16_max_err"] < 2e-2 and report["fp8_max_err"] < 2e-2, report
     assert report["ref_max_abs"] > 0.5  # the reference is not trivially zero
+    assert "reached the backend unconverted" in report["plain_fp8"], report
     assert rc == 0

@@ -75,6 +75,13 @@ fp8 = sparse_mla.quantize_fp8_ds_mla(kv)  # uint8 [8, 64, 656]
 ref8, _ = sparse_mla.reference_sparse_mla_fp8(q, fp8.view(-1, 1, 656), expected_slots, SCALE)
 report["fp8_max_err"] = (run("fp8_ds_mla", fp8) - ref8).abs().max().item()
 report["ref_max_abs"] = ref.abs().max().item()
-report["ok"] = report["bf16_max_err"] < 2e-2 and report["fp8_max_err"] < 2e-2
+# plain "fp8" must have been turned into fp8_ds_mla by the MLA layer; reaching the impl it is refused
+try:
+    run("fp8", fp8)
+    report["plain_fp8"] = "accepted"
+except ValueError as exc:
+    report["plain_fp8"] = str(exc)
+report["ok"] = (report["bf16_max_err"] < 2e-2 and report["fp8_max_err"] < 2e-2
+                and "unconverted" in report["plain_fp8"])
 print("backend-forward: " + json.dumps(report))
 sys.exit(0 if report["ok"] else 1)

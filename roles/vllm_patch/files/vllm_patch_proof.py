@@ -126,6 +126,8 @@ def patched_checks() -> list[tuple[str, Callable[[], Any], Any]]:
         ("selection (12, 0) sparse MLA", lambda: select_backend((12, 0)), "TRITON_MLA_SPARSE"),
         ("selection (12, 0) sparse MLA, fp8_ds_mla KV", lambda: select_backend((12, 0), "fp8_ds_mla"),
          "TRITON_MLA_SPARSE"),
+        ("selection (12, 0) sparse MLA, fp8 KV (the layer makes it fp8_ds_mla)",
+         lambda: select_backend((12, 0), "fp8"), "TRITON_MLA_SPARSE"),
         ("selection (8, 6) sparse MLA", lambda: select_backend((8, 6)), "TRITON_MLA_SPARSE"),
         ("selection (9, 0) sparse MLA", lambda: select_backend((9, 0)), "FLASHMLA_SPARSE"),
         ("explicit --attention-backend TRITON_MLA_SPARSE on (9, 0)",

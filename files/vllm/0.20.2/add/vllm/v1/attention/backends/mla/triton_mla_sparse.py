@@ -51,6 +51,7 @@ class TritonMLASparseBackend(AttentionBackend):
         "auto",
         "bfloat16",
         "fp8_ds_mla",
+        "fp8",  # alias: the MLA layer turns it into fp8_ds_mla (patch set's mla-fp8-kv edit)
     ]
 
     @staticmethod
@@ -134,9 +135,13 @@ class TritonMLASparseImpl(SparseMLAAttentionImpl[FlashMLASparseMetadata]):
                              "(a DeepSeek-V3.2 / GLM-5 style model)")
         if head_size != HEAD_SIZE:
             raise ValueError(f"TRITON_MLA_SPARSE supports head size {HEAD_SIZE}, got {head_size}")
+        if kv_cache_dtype == "fp8":
+            raise ValueError("TRITON_MLA_SPARSE: kv-cache dtype 'fp8' reached the backend "
+                             "unconverted; the MLA layer turns it into fp8_ds_mla (is the "
+                             "patch set's mla_attention.py edit in place?)")
         if kv_cache_dtype not in TritonMLASparseBackend.supported_kv_cache_dtypes:
             raise ValueError(f"TRITON_MLA_SPARSE: kv-cache dtype {kv_cache_dtype!r} is not "
-                             "supported (use auto, bfloat16 or fp8_ds_mla)")
+                             "supported (use auto, bfloat16, fp8_ds_mla or fp8)")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
