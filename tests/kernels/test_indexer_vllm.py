@@ -17,9 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from mlafleet import patchset
-
-VERSION = "0.20.2"
 
 SCRIPT = r'''
 import json, os, sys
@@ -163,37 +160,10 @@ print(json.dumps(out))
 '''
 
 
-@pytest.fixture(scope="module")
-def overlay(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    spec = patchset.load_spec(VERSION)
-    wheel = patchset.default_cache_dir() / spec.wheel_filename
-    if not wheel.is_file():
-        pytest.fail(f"{wheel} is missing: run `mlafleet patchset build --vllm {VERSION}` once first")
-    built = tmp_path_factory.mktemp("patchset") / VERSION
-    patchset.build(VERSION, built, wheel=wheel)
-    code = "import importlib.util as u; print(u.find_spec('vllm').submodule_search_locations[0])"
-    site = Path(subprocess.run([vllm_python, "-c", code], capture_output=True, text=True,
-                               check=True).stdout.strip()).parent
-    files = built / "files"
-    dest = tmp_path_factory.mktemp("overlay")
-    rels = {p.relative_to(files).as_posix() for p in files.rglob("*") if p.is_file()}
-    dirs = {"/".join(rel.split("/")[:i]) for rel in rels for i in range(1, rel.count("/") + 1)}
-    for directory in sorted(dirs):  # each directory on a built file's path: real, the rest links
-        (dest / directory).mkdir(parents=True, exist_ok=True)
-        if (site / directory).is_dir():
-            for entry in (site / directory).iterdir():
-                rel = f"{directory}/{entry.name}"
-                if rel not in dirs and rel not in rels and entry.name != "__pycache__":
-                    os.symlink(entry, dest / rel)
-    for rel in rels:
-        (dest / rel).write_bytes((files / rel).read_bytes())
-    return dest
-
-
-def test_patched_vllm_routes_the_indexer(vllm_python: str, overlay: Path, tmp_path: Path) -> None:
+def test_patched_vllm_routes_the_indexer(vllm_python: str, vllm_overlay: Path, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLAFLEET_INDEXER_FALLBACK",
                                                          "MLAFLEET_INDEXER_TOPK")}
-    env.update({"PYTHONPATH": str(overlay), "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
+    env.update({"PYTHONPATH": str(vllm_overlay), "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
                 "VLLM_CACHE_ROOT": str(tmp_path / "cache"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
                 "HF_HUB_OFFLINE": "1"})
     result = subprocess.run([vllm_python, "-c", SCRIPT], capture_output=True, text=True, env=env,
@@ -201,7 +171,7 @@ def test_patched_vllm_routes_the_indexer(vllm_python: str, overlay: Path, tmp_pa
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
 
-    assert report["vllm_file"].startswith(str(overlay)), "the patched vLLM must be the one imported"
+    assert report["vllm_file"].startswith(str(vllm_overlay)), "the patched vLLM must be the one imported"
     # the proof's rule: DeepGEMM-free on SM12x (and wherever DeepGEMM does not run), DeepGEMM on 9.x/10.x
     assert report["decision"] == {"12.0": True, "12.1": True, "9.0": False, "10.0": False, "10.3": False,
                                   "8.9": True, "11.0": True}
