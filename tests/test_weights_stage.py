@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from weights_support import TOKEN, HubHandler, hub, mirror, write_model
+from weights_support import TOKEN, HubHandler, hub, mirror, serving, write_model
 
 from mlafleet import weights
 from mlafleet.weights_mirror import MirrorHandler
@@ -404,7 +404,6 @@ def test_peer_restricted_to_read_only_rsync_of_the_shard_dir(model, tmp_path: Pa
 def test_a_server_that_ignores_range_restarts_the_shard(model, tmp_path: Path) -> None:
     """Python's own http.server answers a Range request with 200 and the whole file."""
     import functools
-    import threading
     from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
     origin, _, shards = model
@@ -413,14 +412,8 @@ def test_a_server_that_ignores_range_restarts_the_shard(model, tmp_path: Path) -
     (dest / (shards[0].name + ".partial")).write_bytes(b"\x00" * 70_000)  # wrong bytes: must not be kept
     handler = functools.partial(SimpleHTTPRequestHandler, directory=str(origin))
     handler.log_message = lambda *a: None
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serving(ThreadingHTTPServer(("127.0.0.1", 0), handler)) as server:
         result = host.stage(str(dest), shards, [host.HttpSource(f"http://127.0.0.1:{server.server_address[1]}")])
-    finally:
-        server.shutdown()
-        server.server_close()
     assert result["corrupt_downloads"] == 0
     assert_staged(dest, origin, shards)
 

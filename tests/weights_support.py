@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from http.server import BaseHTTPRequestHandler
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Iterator
 
@@ -69,10 +69,8 @@ class CountingServer(MirrorServer):
 
 
 @contextlib.contextmanager
-def mirror(root: Path, rate: float = 0.0, handler: type[MirrorHandler] = MirrorHandler,
-           log_path: str = "") -> Iterator[CountingServer]:
-    """A real HTTP server on 127.0.0.1 (an ephemeral port), serving `root`, for the `with` block."""
-    server = CountingServer(str(root), ("127.0.0.1", 0), rate=rate, log_path=log_path, handler=handler)
+def serving(server: HTTPServer) -> Iterator[HTTPServer]:
+    """Serve `server` from a thread for the `with` block, then shut it down and close it."""
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -81,6 +79,15 @@ def mirror(root: Path, rate: float = 0.0, handler: type[MirrorHandler] = MirrorH
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+@contextlib.contextmanager
+def mirror(root: Path, rate: float = 0.0, handler: type[MirrorHandler] = MirrorHandler,
+           log_path: str = "") -> Iterator[CountingServer]:
+    """A real HTTP server on 127.0.0.1 (an ephemeral port), serving `root`, for the `with` block."""
+    with serving(CountingServer(str(root), ("127.0.0.1", 0), rate=rate, log_path=log_path,
+                                handler=handler)) as server:
+        yield server
 
 
 TOKEN = "hf_SeCrEtToKeN0123456789"
@@ -109,11 +116,5 @@ def hub(cdn_url: str) -> Iterator[MirrorServer]:
     """A fake model hub on 127.0.0.1 that wants TOKEN and redirects downloads to `cdn_url`."""
     server = MirrorServer(".", ("127.0.0.1", 0), handler=HubHandler)
     server.seen, server.cdn = [], cdn_url
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serving(server):
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
