@@ -12,13 +12,26 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export MLAFLEET_VLLM_PYTHON := $(CURDIR)/$(VLLM_VENV)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# Debian packages the controller needs (installed by the targets below when missing): rollouts
+# sync wheelhouses with rsync over ssh; the lab builds its hosts with docker and debootstrap;
+# the tests sign a stand-in apt repository with gnupg.
+CONTROLLER_DEBS := rsync openssh-client
+LAB_DEBS := docker.io debootstrap
+TEST_DEBS := gnupg
 
-.PHONY: help setup wheelhouse vllm-venv patchset lab-images lab-release-image lab-up lab-down demo lint pytest molecule test clean
+.PHONY: help prereqs lab-prereqs test-prereqs setup wheelhouse vllm-venv patchset lab-images lab-release-image lab-up lab-down demo lint pytest molecule test clean
 
 help:
 	@echo "make demo   - lab fleet up, site.yml against it, print the smoke report"
 	@echo "make test   - everything CI runs: lint, pytest, molecule scenarios ($(SCENARIOS))"
 	@echo "make setup | wheelhouse | lab-images | lab-up | lab-down | lint | pytest | molecule"
+
+prereqs:
+	@scripts/install-debs --python $(PYTHON) $(CONTROLLER_DEBS)
+lab-prereqs: prereqs
+	@scripts/install-debs $(LAB_DEBS)
+test-prereqs: lab-prereqs
+	@scripts/install-debs $(TEST_DEBS)
 
 # Controller venv with every tool pinned (requirements/controller.txt).
 $(BIN)/.mlafleet-setup: requirements/controller.txt pyproject.toml
@@ -26,7 +39,7 @@ $(BIN)/.mlafleet-setup: requirements/controller.txt pyproject.toml
 	$(BIN)/pip install -q -r requirements/controller.txt 2> >(grep -v '^WARNING: Location' >&2)
 	$(BIN)/pip install -q --no-deps -e . 2> >(grep -v '^WARNING: Location' >&2)
 	touch $@
-setup: $(BIN)/.mlafleet-setup
+setup: prereqs $(BIN)/.mlafleet-setup
 
 # The lab release's wheels, downloaded once into the cache (~3 GB).
 wheelhouse: setup
@@ -44,13 +57,13 @@ vllm-venv: setup $(VLLM_VENV)/.mlafleet-complete
 patchset: setup
 	$(BIN)/mlafleet patchset build --vllm 0.20.2
 
-lab-images: setup
+lab-images: setup lab-prereqs
 	$(BIN)/mlafleet lab images
 
 lab-release-image: wheelhouse
 	$(BIN)/mlafleet lab images --release
 
-lab-up: setup
+lab-up: setup lab-prereqs
 	$(BIN)/mlafleet lab up --hosts $(HOSTS)
 
 lab-down: setup
@@ -67,15 +80,15 @@ lint: setup
 	$(BIN)/ansible-lint -q --profile production
 
 # Kernel tests run on the CPU under Triton's interpreter.
-pytest: setup vllm-venv patchset
+pytest: setup test-prereqs vllm-venv patchset
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
 
-molecule: setup patchset lab-images lab-release-image
+molecule: setup test-prereqs patchset lab-images lab-release-image
 	$(BIN)/mlafleet lab key >/dev/null
 	$(BIN)/mlafleet lab model >/dev/null
 	for s in $(SCENARIOS); do $(BIN)/molecule test -s $$s; done
 
-test: lint pytest molecule
+test: test-prereqs lint pytest molecule
 
 clean: lab-down
 	rm -rf $(VENV) .lab build reports
