@@ -97,16 +97,16 @@ def test_heads(gen: torch.Generator, h_q: int) -> None:
 
 
 @pytest.mark.parametrize("key", sorted(CONFIGS))
-def test_every_config(gen: torch.Generator, key: tuple[str, int]) -> None:
+def test_every_config(gen: torch.Generator, key: tuple[str, str]) -> None:
     # each config the launcher can choose, explicitly (the launcher picks some only at sizes
     # too large for the interpreter): a partial last head block, invalid indices, split/unsplit
-    dtype, block_h = key
+    dtype, _ = key
     cfg = CONFIGS[key]
     s_kv = 512
     idx = random_indices(gen, 2, 80, s_kv)
     idx[1, 0, ::5] = -1
     idx[0, 0, 3] = s_kv
-    q = torch.randn(2, block_h + 8, 576, generator=gen).bfloat16()
+    q = torch.randn(2, cfg.block_h + 8, 576, generator=gen).bfloat16()
     kv = make_cache(gen, s_kv, idx)
     for num_splits in (1, 3):
         if dtype == "bf16":
@@ -308,19 +308,24 @@ def test_launcher_choices() -> None:
     for h_q in range(1, 257):
         for fp8 in (False, True):
             assert choose_config(h_q, fp8) in CONFIGS.values()
-    assert choose_config(64, fp8=True).block_h == 32 and choose_config(64).block_h == 16
+    # bf16: 32 keys a step up to 16 heads, 64 over 8 warps beyond; fp8: scales on the keys up
+    # to 16 heads, on the logits beyond
+    assert choose_config(16).block_n == 32 and choose_config(17).block_n == 64
+    assert choose_config(64).num_warps == 8
+    assert not choose_config(16, fp8=True).scale_logits and choose_config(32, fp8=True).scale_logits
     # decode at batch 1 on 132 SMs: split topk 2048 into many programs; prefill: no split
     assert choose_num_splits(1, 1, 2048, 32, 132) == 32  # at least 64 keys per split
-    assert 2 <= choose_num_splits(64, 1, 2048, 32, 132) <= 8
+    assert choose_num_splits(1, 1, 2048, 64, 132) == 32
     assert choose_num_splits(4096, 4, 2048, 32, 132) == 1
     assert choose_num_splits(1, 1, 1, 32, 132) == 1
-    # fp8 configs: at most one wave (64 programs on 132 SMs: 2 splits, 128 programs: none)
-    for cfg in (CONFIGS[("fp8", 16)], CONFIGS[("fp8", 32)]):
-        assert not cfg.split_round_up and cfg.programs_per_sm == 1
-    assert choose_num_splits(64, 1, 2048, 32, 132, 1, round_up=False) == 2
-    assert choose_num_splits(64, 2, 2048, 32, 132, 1, round_up=False) == 1
-    assert choose_num_splits(64, 4, 2048, 32, 132, 1, round_up=False) == 1  # floor 0: still 1
-    assert choose_num_splits(8, 1, 2048, 32, 132, 1, round_up=False) == 16
-    assert choose_num_splits(64, 2, 2048, 32, 132) == 3  # bf16's rule rounds up
+    # about two programs per SM, rounded up, then down to a power of two
+    assert choose_num_splits(64, 1, 2048, 32, 132) == 4  # 5 wanted
+    assert choose_num_splits(64, 2, 2048, 32, 132) == 2  # 3 wanted
+    assert choose_num_splits(8, 1, 2048, 32, 132) == 32  # 33 wanted
+    assert choose_num_splits(8, 4, 2048, 32, 132) == 8  # 9 wanted
     assert choose_num_splits(64, 4, 2048, 32, 132) == 1  # a full wave already: no split
-    assert choose_num_splits(33, 4, 2048, 32, 132) == 1 and choose_num_splits(32, 4, 2048, 32, 132) == 3
+    assert choose_num_splits(33, 4, 2048, 32, 132) == 1 and choose_num_splits(32, 4, 2048, 32, 132) == 2
+    assert choose_num_splits(64, 1, 2048, 32, 132, 1, round_up=False) == 2  # floor(2.06)
+    for s_q in range(1, 300):
+        n = choose_num_splits(s_q, 1, 2048, 32, 132)
+        assert n & (n - 1) == 0 and 1 <= n <= 32

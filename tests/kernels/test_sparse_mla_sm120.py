@@ -42,8 +42,8 @@ def test_every_config_is_compiled(reports: list[dict]) -> None:
     main = [r for r in reports if r["name"] == "_sparse_mla_kernel"]
     assert len(main) == 2 * len(CONFIGS)
     seen = {("fp8" if r["constexprs"]["FP8"] else "bf16", r["constexprs"]["BLOCK_H"], r["constexprs"]["BLOCK_N"],
-             r["num_warps"], r["num_stages"]) for r in main}
-    assert seen == {(dtype, c.block_h, c.block_n, c.num_warps, c.num_stages)
+             r["num_warps"], r["num_stages"], r["constexprs"]["SCALE_LOGITS"]) for r in main}
+    assert seen == {(dtype, c.block_h, c.block_n, c.num_warps, c.num_stages, c.scale_logits)
                     for (dtype, _), c in CONFIGS.items()}
 
 
