@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from patchset_support import build_patchset
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -47,28 +48,6 @@ def vllm_python_032() -> str:
 
 
 PATCHSET_VERSION = "0.20.2"
-PATCHSET_VERSIONS = ("0.20.2", "0.32.0")
-
-
-def pinned_wheels(version: str) -> dict[str, Path]:
-    """A patch set's pinned wheels from the download cache, by distribution (tests never download)."""
-    from mlafleet import patchset
-
-    wheels = patchset.cached_wheels(patchset.load_spec(version))
-    missing = [str(w) for w in wheels.values() if not w.is_file()]
-    if missing:
-        pytest.fail(f"{', '.join(missing)} missing: run `mlafleet patchset build --vllm {version}` once first")
-    return wheels
-
-
-def build_patchset(version: str, out: Path) -> Path:
-    from mlafleet import patchset
-
-    wheels = pinned_wheels(version)
-    patchset.build(version, out, wheel=wheels.pop("vllm"), other_wheels=wheels)
-    return out
-
-
 @pytest.fixture(scope="session")
 def patchset_builds(tmp_path_factory: pytest.TempPathFactory):
     """version -> that patch set built from its pinned wheels, once per session."""

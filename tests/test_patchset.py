@@ -14,7 +14,7 @@ import yaml
 from mlafleet import patchset
 from mlafleet.patchset import Edit, PatchsetError
 
-from conftest import build_patchset, pinned_wheels
+from patchset_support import build_patchset, pinned_wheels
 
 VERSION = "0.20.2"
 VERSIONS = ("0.20.2", "0.32.0")

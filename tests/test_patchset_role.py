@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import build_patchset, pinned_wheels
+from patchset_support import build_patchset, pinned_wheels
 
 VERSION = "0.20.2"
 VERSION_032 = "0.32.0"

@@ -145,7 +145,11 @@ class TritonMLASparseBackend(AttentionBackend):
         from vllm.config import get_current_vllm_config_or_none
 
         vllm_config = get_current_vllm_config_or_none()
-        model_config = vllm_config.model_config if vllm_config is not None else None
+        if vllm_config is None:
+            return None
+        if getattr(vllm_config.attention_config, "hisparse_config", None) is not None:
+            return f"{NAME} reads the whole KV cache from the GPU (no HiSparse host offload)"
+        model_config = vllm_config.model_config
         topk = getattr(model_config.hf_text_config, "index_topk", None) if model_config is not None else None
         if topk is not None and int(topk) % TOPK_MULTIPLE:
             return f"{NAME} needs index_topk to be a multiple of {TOPK_MULTIPLE}, got {topk}"
