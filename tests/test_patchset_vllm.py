@@ -67,9 +67,11 @@ def line(request: pytest.FixtureRequest) -> Line:
 
 
 def assert_stubs(report: dict) -> None:
-    # the CPU wheel lacks _C_stable_libtorch; _C is stubbed only where this CPU cannot run it
-    assert report["stubbed"][0] == "vllm._C_stable_libtorch"
-    assert all(s.startswith("vllm._C (") for s in report["stubbed"][1:]), report["stubbed"]
+    """The CPU wheel lacks _C_stable_libtorch. vllm._C is stubbed only where it cannot load (the
+    CPU wheel's generic _C needs AVX-512), and only for 0.20.2, whose cuda.py imports it."""
+    no_avx512 = "avx512f" not in Path("/proc/cpuinfo").read_text().split()
+    sigill = no_avx512 and report["vllm_version"] == "0.20.2"
+    assert report["stubbed"] == ["vllm._C_stable_libtorch"] + (["vllm._C (killed by SIGILL on import)"] if sigill else [])
 
 
 def test_install_originals_match_the_manifest(line: Line) -> None:

