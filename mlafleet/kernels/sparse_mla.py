@@ -3,7 +3,9 @@
 The contract is the one of vLLM 0.20.2's FlashMLA sparse calls (DESIGN.md section 4):
 
     q        [s_q, h_q, 576] bf16 (any strides)
-    kv       [s_kv, 1, 576] bf16, or the fp8_ds_mla cache: uint8 [num_blocks, 64, 1, 656]
+    kv       [s_kv, 1, 576] bf16, or the fp8_ds_mla cache: uint8 [num_blocks, 64, 1, 656],
+             or a plain fp8 cache: float8_e4m3fn (or its uint8 bytes) [s_kv, 1, 576] with one
+             float32 scale for the whole cache (x = fp8 * kv_scale; vLLM's `fp8` MLA cache)
     indices  [s_q, 1, topk] int32 global slot ids; -1 or >= s_kv means "no token"
     out      [s_q, h_q, 512] bf16 = softmax(q . K[idx]^T * sm_scale) @ K[idx][:, :512]
     lse      [s_q, h_q] float32, natural log; +inf (and out 0) for a row with no valid index
@@ -13,7 +15,7 @@ float32 scales, one per 128 values (x = fp8 * scale); 528-655: the 64 bf16 RoPE 
 
 This module holds the readable float32 references and the fp8_ds_mla quantiser (the ground
 truth), the Triton kernels with their launcher, and the public entry points
-sparse_mla_fwd / sparse_mla_fwd_fp8. It imports only torch and triton.
+sparse_mla_fwd / sparse_mla_fwd_fp8 / sparse_mla_fwd_fp8_e4m3. It imports only torch and triton.
 
 On a CUDA GPU the kernels are compiled; with TRITON_INTERPRET=1 set before triton is imported
 they run on CPU tensors in Triton's interpreter (the CI tests). Every config the launcher can
@@ -128,6 +130,28 @@ def reference_sparse_mla_fp8(q: torch.Tensor, kv_cache: torch.Tensor, indices: t
     return _attend_reference(q, k, valid, sm_scale, d_v)
 
 
+def quantize_fp8_e4m3(kv: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, float]:
+    """A plain fp8 cache of kv [..., 576]: (float8_e4m3fn values x, scale), kv ~ x * scale.
+
+    One scale for the whole cache (vLLM's per-layer k_scale), by default amax / 448."""
+    if scale is None:
+        scale = max(float(kv.float().abs().nan_to_num(0.0).amax()), FP8_AMAX_FLOOR) / FP8_MAX
+    return (kv.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def reference_sparse_mla_fp8_e4m3(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
+                                  sm_scale: float, kv_scale: float,
+                                  d_v: int = D_NOPE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA over a plain fp8 cache [s_kv, 1, 576], in float32 (dequantise, then attend)."""
+    _check_common(q, indices, d_v)
+    kv = kv_cache.view(torch.float8_e4m3fn).reshape(-1, 1, D_QK).float() * float(kv_scale)
+    s_kv = kv.shape[0]
+    idx = indices[:, 0, :].long()
+    valid = (idx >= 0) & (idx < s_kv)
+    k = kv[:, 0, :][idx.clamp(0, max(s_kv - 1, 0))] if s_kv else q.new_zeros(*idx.shape, D_QK)
+    return _attend_reference(q, k, valid, sm_scale, d_v)
+
+
 # --------------------------------------------------------------------------------------
 # input checks (clear errors, before anything is launched)
 # --------------------------------------------------------------------------------------
@@ -197,10 +221,11 @@ def _fp8_rows(kv_cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------
 
 @triton.jit
-def _load_keys(row, valid, FP8: tl.constexpr):
-    """Gather BLOCK_N keys: 4 raw groups of 128 latent values, 4 fp8 scales (1.0 for bf16),
-    the 64 RoPE values. row: per key, a pointer to its first byte (fp8_ds_mla) or element
-    (bf16); invalid keys read nothing."""
+def _load_keys(row, valid, FP8: tl.constexpr, ROPE_E4M3: tl.constexpr):
+    """Gather BLOCK_N keys: 4 raw groups of 128 latent values, 4 fp8 scales (1.0 for bf16 and
+    for a plain fp8 cache, whose one scale the kernel applies to the logits and the output),
+    the 64 RoPE values (raw float8_e4m3 bytes for a plain fp8 cache). row: per key, a pointer
+    to its first byte (fp8) or element (bf16); invalid keys read nothing."""
     cols = tl.arange(0, 128)
     d_rope = tl.arange(0, 64)
     m = valid[:, None]
@@ -208,7 +233,13 @@ def _load_keys(row, valid, FP8: tl.constexpr):
     g1 = tl.load(row[:, None] + (128 + cols)[None, :], mask=m, other=0)
     g2 = tl.load(row[:, None] + (256 + cols)[None, :], mask=m, other=0)
     g3 = tl.load(row[:, None] + (384 + cols)[None, :], mask=m, other=0)
-    if FP8:
+    if FP8 and ROPE_E4M3:
+        s0 = tl.full(valid.shape, 1.0, tl.float32)
+        s1 = s0
+        s2 = s0
+        s3 = s0
+        rope = tl.load(row[:, None] + (512 + d_rope)[None, :], mask=m, other=0)
+    elif FP8:
         scales = (row + 512).to(tl.pointer_type(tl.float32))
         s0 = tl.load(scales + 0, mask=valid, other=0.0)
         s1 = tl.load(scales + 1, mask=valid, other=0.0)
@@ -295,8 +326,10 @@ def _sparse_mla_kernel(
     LSE, stride_lse_tok, stride_lse_split, stride_lse_head,
     h_q, topk, tokens_per_split, n_split, n_head_blocks,
     qk_scale_log2,  # sm_scale * log2(e): the softmax runs in base 2
+    KV_SCALE,  # plain fp8 (ROPE_E4M3): the cache's one float32 scale; unread otherwise
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8: tl.constexpr,  # KV is the fp8_ds_mla byte layout
+    FP8: tl.constexpr,  # KV is bytes: fp8_ds_mla, or with ROPE_E4M3 a plain float8_e4m3 cache
+    ROPE_E4M3: tl.constexpr,  # plain fp8: all 576 values e4m3 (RoPE too), one scale in KV_SCALE
     PARTIAL: tl.constexpr,  # write float32 partials (several splits) instead of the final bf16
     SCALE_LOGITS: tl.constexpr,  # fp8: scale the logits and probabilities, not the keys
     DOT_F32: tl.constexpr,  # interpreter: bf16 tl.dot is wrong there, so dot in float32
@@ -336,6 +369,12 @@ def _sparse_mla_kernel(
             q2 = q2 * 1.152921504606847e18
             q3 = q3 * 1.152921504606847e18
 
+    if ROPE_E4M3:
+        # plain fp8: K = x * kv_scale for every key and dim, so the scale goes once onto the
+        # logits (here) and once onto the output (at the end), and the keys stay x
+        kv_scale = tl.load(KV_SCALE).to(tl.float32)
+        qk_scale_log2 = qk_scale_log2 * kv_scale
+
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of the logits (base 2)
     l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(logit - m_i)
     acc0 = tl.zeros([BLOCK_H, 128], tl.float32)
@@ -351,13 +390,18 @@ def _sparse_mla_kernel(
         idx = tl.load(idx_base + offs * stride_idx_k, mask=offs < end, other=-1)
         valid = (idx >= 0) & (idx < n_slots)
         row = KV + tl.where(valid, idx, 0).to(tl.int64) * stride_kv_tok  # 64-bit: caches pass 2^31 B
-        g0, g1, g2, g3, s0, s1, s2, s3, g_rope = _load_keys(row, valid, FP8)
+        g0, g1, g2, g3, s0, s1, s2, s3, g_rope = _load_keys(row, valid, FP8, ROPE_E4M3)
 
         k0 = _key_group(g0, s0, FP8, SCALE_LOGITS, DOT_F32)
         k1 = _key_group(g1, s1, FP8, SCALE_LOGITS, DOT_F32)
         k2 = _key_group(g2, s2, FP8, SCALE_LOGITS, DOT_F32)
         k3 = _key_group(g3, s3, FP8, SCALE_LOGITS, DOT_F32)
-        k_rope = g_rope.to(dot_dtype)
+        if ROPE_E4M3:
+            # e4m3 bytes -> x * 2^-120 in bf16 -> x exactly (times 2^120 in float32); every
+            # e4m3 value is a bf16 value
+            k_rope = (_fp8_bits_as_bf16(g_rope, DOT_F32).to(tl.float32) * 1.329227995784916e36).to(dot_dtype)
+        else:
+            k_rope = g_rope.to(dot_dtype)
         logits = tl.dot(q_rope, tl.trans(k_rope))
         if FP8 and SCALE_LOGITS:
             # logit = q_rope . k_rope + sum_g scale_g * (q_g . x_g): the scales per key and
@@ -403,6 +447,8 @@ def _sparse_mla_kernel(
     if FP8:
         # the accumulators hold 2^-20 (SCALE_LOGITS) or 2^-60 times the output
         inv_l = inv_l * (1048576.0 if SCALE_LOGITS else 1.152921504606847e18)
+    if ROPE_E4M3:
+        inv_l = inv_l * kv_scale  # the values are x: the output is kv_scale times their mix
     empty_lse = float("-inf") if PARTIAL else float("inf")  # +inf is the contract's "no token"
     lse = tl.where(has_any, (m_safe + tl.log2(l_safe)) * 0.6931471805599453, empty_lse)  # natural log
 
@@ -525,14 +571,15 @@ def sm120_compile_specs(configs: list[tuple[str, KernelConfig]] | None = None,
     """Everything the launcher can launch, as arguments of sm120.compile_for_sm120.
 
     Each config in CONFIGS (or `configs`: (cache dtype, config) pairs) for its cache dtype
-    and both output modes, plus the merge kernel, with the specialisations Triton's JIT makes
+    (an fp8 config for fp8_ds_mla and for a plain fp8 cache) and both output modes, plus the
+    merge kernel, with the specialisations Triton's JIT makes
     at a typical launch (contiguous last dims are stride 1, token strides and pointers
     divisible by 16).
     """
     specs = []
     for dtype, cfg in configs or [(dtype, cfg) for (dtype, _), cfg in CONFIGS.items()]:
         fp8 = dtype == "fp8"
-        for partial in (False, True):
+        for partial, rope_e4m3 in [(p, r) for p in (False, True) for r in ((False, True) if fp8 else (False,))]:
             signature = {
                 "Q": "*bf16", "stride_q_tok": "i32", "stride_q_head": "i32",
                 "KV": "*u8" if fp8 else "*bf16", "stride_kv_tok": "i32", "n_slots": "i32",
@@ -542,9 +589,10 @@ def sm120_compile_specs(configs: list[tuple[str, KernelConfig]] | None = None,
                 "LSE": "*fp32", "stride_lse_tok": "i32", "stride_lse_split": "i32",
                 "stride_lse_head": "i32", "h_q": "i32", "topk": "i32", "tokens_per_split": "i32",
                 "n_split": "i32", "n_head_blocks": "i32", "qk_scale_log2": "fp32",
+                "KV_SCALE": "*fp32",
             }
             constexprs = {"stride_q_dim": 1, "stride_idx_k": 1, "BLOCK_H": cfg.block_h,
-                          "BLOCK_N": cfg.block_n, "FP8": fp8, "PARTIAL": partial,
+                          "BLOCK_N": cfg.block_n, "FP8": fp8, "ROPE_E4M3": rope_e4m3, "PARTIAL": partial,
                           "SCALE_LOGITS": cfg.scale_logits,
                           "DOT_F32": False}
             aligned = ["Q", "KV", "IDX", "OUT", "LSE", "stride_q_tok", "stride_q_head",
@@ -583,7 +631,7 @@ def _interpreted() -> bool:
 
 def _run(q: torch.Tensor, kv: torch.Tensor, stride_kv_tok: int, n_slots: int, indices: torch.Tensor,
          sm_scale: float, fp8: bool, num_splits: int | None,
-         config: KernelConfig | None) -> tuple[torch.Tensor, torch.Tensor]:
+         config: KernelConfig | None, kv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if q.dtype != torch.bfloat16:
         raise TypeError(f"sparse MLA: q must be bfloat16, got {q.dtype}")
     if not math.isfinite(sm_scale):
@@ -630,7 +678,8 @@ def _run(q: torch.Tensor, kv: torch.Tensor, stride_kv_tok: int, n_slots: int, in
         dst_lse, *lse_strides,
         h_q, topk, tokens_per_split, num_splits, n_head_blocks,
         sm_scale * LOG2E,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, FP8=fp8, PARTIAL=partial,
+        kv_scale if kv_scale is not None else lse,  # read only for a plain fp8 cache
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, FP8=fp8, ROPE_E4M3=kv_scale is not None, PARTIAL=partial,
         SCALE_LOGITS=cfg.scale_logits,
         DOT_F32=interpreted,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=_maxnreg(q.device),
@@ -675,3 +724,31 @@ def sparse_mla_fwd_fp8(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.T
     _check_common(q, indices, d_v)
     rows = _fp8_rows(kv_cache, q)
     return _run(q, rows, rows.stride(0), rows.shape[0], indices, float(sm_scale), True, num_splits, config)
+
+
+def sparse_mla_fwd_fp8_e4m3(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
+                            sm_scale: float, kv_scale: torch.Tensor | float, d_v: int = D_NOPE, *,
+                            num_splits: int | None = None,
+                            config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA over a plain fp8 cache (vLLM's `fp8` MLA layout: 576 float8_e4m3 values per
+    token, RoPE included, and one float32 scale for the cache, x = fp8 * kv_scale):
+    (out [s_q, h_q, 512] bf16, lse [s_q, h_q] float32).
+
+    kv_cache: float8_e4m3fn or its uint8 bytes, [..., 576] (e.g. [num_blocks, 64, 576] or
+    [slots, 1, 576]); kv_scale: a float32 tensor of one element on q's device (read on the
+    device, so CUDA graphs capture it), or a number.
+    """
+    _check_common(q, indices, d_v)
+    if kv_cache.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise TypeError(f"sparse MLA fp8: a plain fp8 cache is float8_e4m3fn (or uint8), got {kv_cache.dtype}")
+    if kv_cache.shape[-1] != D_QK or kv_cache.stride(-1) != 1:
+        raise ValueError(f"sparse MLA fp8: the {D_QK} values of a token must be the contiguous last dim, "
+                         f"got {tuple(kv_cache.shape)}")
+    if kv_cache.device != q.device:
+        raise ValueError(f"sparse MLA fp8: kv_cache on {kv_cache.device}, q on {q.device}")
+    rows = kv_cache.view(torch.uint8).reshape(-1, D_QK)
+    scale = torch.as_tensor(kv_scale, dtype=torch.float32, device=q.device).reshape(-1)
+    if scale.numel() != 1:
+        raise ValueError(f"sparse MLA fp8: kv_scale must be one value, got {scale.numel()}")
+    return _run(q, rows, rows.stride(0), rows.shape[0], indices, float(sm_scale), True, num_splits, config,
+                kv_scale=scale)
