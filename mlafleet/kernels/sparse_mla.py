@@ -15,7 +15,9 @@ float32 scales, one per 128 values (x = fp8 * scale); 528-655: the 64 bf16 RoPE 
 
 This module holds the readable float32 references and the fp8_ds_mla quantiser (the ground
 truth), the Triton kernels with their launcher, and the public entry points
-sparse_mla_fwd / sparse_mla_fwd_fp8 / sparse_mla_fwd_fp8_e4m3. It imports only torch and triton.
+sparse_mla_fwd / sparse_mla_fwd_fp8 / sparse_mla_fwd_fp8_e4m3, and the layouts of vLLM's KV cache
+by kv_cache_dtype with `attend` over each (what the backends call). It imports only torch and
+triton.
 
 On a CUDA GPU the kernels are compiled; with TRITON_INTERPRET=1 set before triton is imported
 they run on CPU tensors in Triton's interpreter (the CI tests). Every config the launcher can
@@ -752,3 +754,53 @@ def sparse_mla_fwd_fp8_e4m3(q: torch.Tensor, kv_cache: torch.Tensor, indices: to
         raise ValueError(f"sparse MLA fp8: kv_scale must be one value, got {scale.numel()}")
     return _run(q, rows, rows.stride(0), rows.shape[0], indices, float(sm_scale), True, num_splits, config,
                 kv_scale=scale)
+
+
+# --------------------------------------------------------------------------------------
+# vLLM's KV cache by kv_cache_dtype (what every line's TRITON_MLA_SPARSE backend reads)
+#
+# - auto / bfloat16: [num_blocks, 64, 576] bf16, one token a row.
+# - fp8_ds_mla: the 656-byte rows above. `--kv-cache-dtype fp8` serves this one: vLLM's MLA
+#   layer (with the patch sets' mla-fp8-kv edits) turns fp8 into fp8_ds_mla before the cache
+#   is allocated.
+# - fp8 / fp8_e4m3 handed to the backend itself (nothing converted them; vLLM's own backend
+#   tests build it so): vLLM's plain fp8 MLA cache, 576 float8_e4m3 values a token, RoPE
+#   included, with the layer's one k_scale.
+# --------------------------------------------------------------------------------------
+
+BF16_ROWS = "bf16"
+FP8_DS_MLA_ROWS = "fp8_ds_mla"
+FP8_E4M3_ROWS = "fp8_e4m3"
+# kv_cache_dtype -> how the cache holds a token
+LAYOUTS: dict[str, str] = {
+    "auto": BF16_ROWS,  # the model's dtype, which the backend requires to be bf16
+    "bfloat16": BF16_ROWS,
+    "fp8_ds_mla": FP8_DS_MLA_ROWS,
+    "fp8": FP8_E4M3_ROWS,
+    "fp8_e4m3": FP8_E4M3_ROWS,
+}
+ROW_WIDTH = {BF16_ROWS: 576, FP8_DS_MLA_ROWS: 656, FP8_E4M3_ROWS: 576}  # elements or bytes a token
+
+
+def layout_of(kv_cache_dtype: str, known: list[str], backend: str = "TRITON_MLA_SPARSE") -> str:
+    """The layout of a kv-cache dtype among `known` (the line's), or ValueError naming those."""
+    if kv_cache_dtype not in known or kv_cache_dtype not in LAYOUTS:
+        raise ValueError(f"{backend}: kv-cache dtype {kv_cache_dtype!r} is not supported; use one of "
+                         f"{', '.join(known)}")
+    return LAYOUTS[kv_cache_dtype]
+
+
+def attend(layout: str, q: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, scale: float,
+           k_scale: torch.Tensor | None) -> torch.Tensor:
+    """Sparse MLA over a cache seen as flat rows [n, ROW_WIDTH[layout]] (any dtype of that width):
+    out [T, H, 512] bf16 for q [T, H, 576] over slots [T, 1, k] (-1: none)."""
+    if layout == BF16_ROWS:
+        return sparse_mla_fwd(q, rows.unsqueeze(1), slots, scale, d_v=D_NOPE)[0]
+    if layout == FP8_DS_MLA_ROWS:
+        return sparse_mla_fwd_fp8(q, rows.view(torch.uint8), slots, scale, d_v=D_NOPE)[0]
+    if layout == FP8_E4M3_ROWS:
+        if k_scale is None:
+            raise ValueError("a plain fp8 cache needs the layer's k_scale")
+        return sparse_mla_fwd_fp8_e4m3(q, rows.view(torch.uint8).unsqueeze(1), slots, scale, k_scale,
+                                       d_v=D_NOPE)[0]
+    raise ValueError(f"unknown KV-cache layout {layout!r}")

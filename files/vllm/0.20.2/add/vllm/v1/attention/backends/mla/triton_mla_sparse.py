@@ -11,16 +11,11 @@ sparse-MLA metadata and builder (flashmla_sparse.py) and its index conversion
 - the indexer leaves per-request top-k token positions in `indexer.topk_indices_buffer`;
 - vLLM's `triton_convert_req_index_to_global_index` turns them into global slot ids
   (block * 64 + offset, -1 where invalid) through the block table;
-- `sparse_mla_fwd` (bf16 cache, [slots, 1, 576]), `sparse_mla_fwd_fp8` (fp8_ds_mla cache,
-  uint8 [num_blocks, 64, 1, 656]) or `sparse_mla_fwd_fp8_e4m3` (a plain fp8 cache) attend over
-  those slots for every query token, prefill and decode alike (no head padding, no FlashMLA
-  scheduler metadata, no prefill workspace).
-
-`--kv-cache-dtype fp8` serves the fp8_ds_mla cache, as for vLLM's own sparse backends: the MLA
-layer turns it into fp8_ds_mla before the cache is allocated (the patch set's mla-fp8-kv edit).
-An impl that is handed "fp8" itself (vLLM's own backend tests build it so) is handed a plain
-fp8 cache: 576 float8_e4m3 values a token, RoPE included, and the layer's one k_scale. It reads
-that layout, rather than reading its bytes as fp8_ds_mla or refusing it.
+- mlafleet's kernels attend over those slots for every query token, prefill and decode alike
+  (no head padding, no FlashMLA scheduler metadata, no prefill workspace), reading the cache in
+  the layout of its kv_cache_dtype: bf16, fp8_ds_mla, or (an impl handed "fp8" itself) vLLM's
+  plain fp8 MLA cache. The layouts and that choice are
+  `vllm.third_party.mlafleet_kernels.sparse_mla`, shared with the other vLLM lines' backends.
 """
 
 from typing import TYPE_CHECKING, ClassVar
@@ -29,11 +24,7 @@ import torch
 
 from vllm.config.cache import CacheDType
 from vllm.platforms.interface import DeviceCapability
-from vllm.third_party.mlafleet_kernels.sparse_mla import (
-    sparse_mla_fwd,
-    sparse_mla_fwd_fp8,
-    sparse_mla_fwd_fp8_e4m3,
-)
+from vllm.third_party.mlafleet_kernels import sparse_mla
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionLayer,
@@ -54,56 +45,14 @@ if TYPE_CHECKING:
 BLOCK_SIZE = 64  # tokens per KV-cache block (fp8_ds_mla's layout fixes it)
 HEAD_SIZE = 576  # 512 latent (kv_lora_rank) + 64 RoPE
 LATENT = 512  # the value part of a cached token
-FP8_DS_MLA_TOKEN_BYTES = 656  # 512 fp8 values, 4 float32 scales, 64 bf16 RoPE values
 
-# kv_cache_dtype -> how the cache holds a token
-BF16_ROWS = "bf16"
-FP8_DS_MLA_ROWS = "fp8_ds_mla"
-FP8_E4M3_ROWS = "fp8_e4m3"  # 576 float8_e4m3 values a token, one k_scale for the layer
-CACHE_LAYOUTS: dict[str, str] = {
-    "auto": BF16_ROWS,  # the model's dtype, which the backend requires to be bf16
-    "bfloat16": BF16_ROWS,
-    "fp8_ds_mla": FP8_DS_MLA_ROWS,
-    # fp8 reaches the impl only where nothing converted it to fp8_ds_mla (the MLA layer does,
-    # mla-fp8-kv edit): then the cache is vLLM's plain fp8 MLA cache
-    "fp8": FP8_E4M3_ROWS,
-}
-
-
-def cache_layout(kv_cache_dtype: str) -> str:
-    """The cache layout for a kv-cache dtype, or ValueError naming the ones this backend reads."""
-    try:
-        return CACHE_LAYOUTS[kv_cache_dtype]
-    except KeyError:
-        raise ValueError(f"TRITON_MLA_SPARSE: kv-cache dtype {kv_cache_dtype!r} is not supported; "
-                         f"use one of {', '.join(CACHE_LAYOUTS)}") from None
-
-
-def _attend_bf16(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scale: float,
-                 layer: AttentionLayer) -> torch.Tensor:
-    # [num_blocks, 64, 576] bf16 -> the kernel's [slots, 1, 576]
-    return sparse_mla_fwd(q, cache.view(-1, 1, cache.shape[-1]), slots, scale, d_v=LATENT)[0]
-
-
-def _attend_fp8_ds_mla(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scale: float,
-                       layer: AttentionLayer) -> torch.Tensor:
-    # [num_blocks, 64, 656] fp8_ds_mla bytes -> the kernel's uint8 [num_blocks, 64, 1, 656]
-    return sparse_mla_fwd_fp8(q, cache.view(torch.uint8).unsqueeze(-2), slots, scale, d_v=LATENT)[0]
-
-
-def _attend_fp8_e4m3(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scale: float,
-                     layer: AttentionLayer) -> torch.Tensor:
-    # [num_blocks, 64, 576] float8_e4m3 bytes, K = x * k_scale (read on the device)
-    rows = cache.view(torch.uint8).view(-1, 1, cache.shape[-1])
-    return sparse_mla_fwd_fp8_e4m3(q, rows, slots, scale, layer._k_scale, d_v=LATENT)[0]
-
-
-ATTEND = {BF16_ROWS: _attend_bf16, FP8_DS_MLA_ROWS: _attend_fp8_ds_mla, FP8_E4M3_ROWS: _attend_fp8_e4m3}
+# the kv-cache dtypes vLLM 0.20.2 has that the kernels read (their layouts: sparse_mla.LAYOUTS)
+KV_CACHE_DTYPES: list[str] = ["auto", "bfloat16", "fp8_ds_mla", "fp8"]
 
 
 class TritonMLASparseBackend(AttentionBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16]
-    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = list(CACHE_LAYOUTS)
+    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = list(KV_CACHE_DTYPES)
 
     @staticmethod
     def get_name() -> str:
@@ -145,9 +94,8 @@ class TritonMLASparseBackend(AttentionBackend):
         head_size: int,
         cache_dtype_str: str = "auto",
     ) -> tuple[int, ...]:
-        if CACHE_LAYOUTS.get(cache_dtype_str) == FP8_DS_MLA_ROWS:
-            return (num_blocks, block_size, FP8_DS_MLA_TOKEN_BYTES)
-        return (num_blocks, block_size, head_size)
+        layout = sparse_mla.LAYOUTS.get(cache_dtype_str, sparse_mla.BF16_ROWS)
+        return (num_blocks, block_size, sparse_mla.ROW_WIDTH[layout])
 
 
 class TritonMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
@@ -188,7 +136,7 @@ class TritonMLASparseImpl(SparseMLAAttentionImpl[FlashMLASparseMetadata]):
             raise ValueError(f"TRITON_MLA_SPARSE supports head size {HEAD_SIZE} with kv_lora_rank "
                              f"{LATENT}, got {head_size} and {mla_args.get('kv_lora_rank')}")
         # the cache layout first: a dtype the kernels cannot read fails before anything is set
-        self.layout = cache_layout(kv_cache_dtype)
+        self.layout = sparse_mla.layout_of(kv_cache_dtype, KV_CACHE_DTYPES)
         self.kv_cache_dtype = kv_cache_dtype
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = float(scale)
@@ -213,4 +161,6 @@ class TritonMLASparseImpl(SparseMLAAttentionImpl[FlashMLASparseMetadata]):
         query = q if isinstance(q, torch.Tensor) else torch.cat(q, dim=-1)
         assert self.topk_indices_buffer is not None
         slots = self._cache_slots(self.topk_indices_buffer[: query.shape[0]], attn_metadata)
-        return ATTEND[self.layout](query, kv_c_and_k_pe_cache, slots, self.scale, layer), None
+        rows = kv_c_and_k_pe_cache.view(-1, kv_c_and_k_pe_cache.shape[-1])  # [num_blocks * 64, width]
+        out = sparse_mla.attend(self.layout, query, rows, slots, self.scale, getattr(layer, "_k_scale", None))
+        return out, None

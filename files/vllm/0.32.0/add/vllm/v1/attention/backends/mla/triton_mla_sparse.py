@@ -12,22 +12,22 @@ What a sparse-MLA backend of vLLM 0.32.0 consists of, and what this one puts the
   token, prefill and decode alike, reaches `forward_mqa`;
 - the KV cache: [num_blocks, 64, 576] bf16 for an unquantised cache, or DeepSeek's fp8_ds_mla,
   656 bytes a token (512 float8_e4m3 latent values, four float32 scales, 64 bf16 RoPE values);
-  blocks sit a whole number of rows apart (customize_spec), so the cache reads as flat rows;
+  blocks sit a whole number of rows apart (customize_spec), so the cache reads as flat rows.
+  The layouts, by kv_cache_dtype, are `vllm.third_party.mlafleet_kernels.sparse_mla`, shared
+  with the other vLLM lines' backends;
 - the attention: the indexer leaves each token's top-k positions (per request, -1 for none) in
   the shared top-k buffer; vLLM's `triton_convert_req_index_to_global_index` turns them into
-  cache rows through the block table, and mlafleet's `sparse_mla_fwd` / `sparse_mla_fwd_fp8`
-  (shipped as vllm.third_party.mlafleet_kernels.sparse_mla) attend over those rows.
+  cache rows through the block table, and mlafleet's kernels (shipped as
+  vllm.third_party.mlafleet_kernels) attend over those rows.
 
 `--kv-cache-dtype fp8` (and fp8_e4m3) serves the fp8_ds_mla cache, as for vLLM's own sparse
 backends: the MLA layer turns it into fp8_ds_mla before the cache is allocated (patch set,
-mla-fp8-kv.yml). An impl that is handed "fp8" itself (vLLM's own backend tests build it so) is
-handed vLLM's plain fp8 MLA cache: 576 float8_e4m3 values a token, RoPE included, and the
-layer's one k_scale; it reads that layout (`sparse_mla_fwd_fp8_e4m3`).
+mla-fp8-kv.yml). An impl handed "fp8" itself (vLLM's own backend tests build it so) reads
+vLLM's plain fp8 MLA cache (the kernel module's layouts).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -39,11 +39,7 @@ from vllm.model_executor.layers.attention.sparse_mla_attention import (
     SparseMLACommonMetadataBuilder,
 )
 from vllm.platforms.interface import DeviceCapability
-from vllm.third_party.mlafleet_kernels.sparse_mla import (
-    sparse_mla_fwd,
-    sparse_mla_fwd_fp8,
-    sparse_mla_fwd_fp8_e4m3,
-)
+from vllm.third_party.mlafleet_kernels import sparse_mla
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -66,59 +62,13 @@ LATENT = 512  # the value part of a cached token
 TOPK_MULTIPLE = 128  # vLLM's index conversion takes top-k widths in tiles of 128
 MAJORS = (8, 9, 12)  # compute capabilities the kernels are built and checked for
 
-# kv_cache_dtype -> how the cache holds a token
-BF16_ROWS = "bf16"
-FP8_DS_MLA_ROWS = "fp8_ds_mla"
-FP8_E4M3_ROWS = "fp8_e4m3"  # 576 float8_e4m3 values a token, one k_scale for the layer
-CACHE_LAYOUTS: dict[str, str] = {
-    "auto": BF16_ROWS,  # the model's dtype, which the backend requires to be bf16
-    "bfloat16": BF16_ROWS,
-    "fp8_ds_mla": FP8_DS_MLA_ROWS,
-    # fp8 / fp8_e4m3 reach the impl only where nothing converted them to fp8_ds_mla (the MLA
-    # layer does, mla-fp8-kv edit): then the cache is vLLM's plain fp8 MLA cache
-    "fp8": FP8_E4M3_ROWS,
-    "fp8_e4m3": FP8_E4M3_ROWS,
-}
-
-
-def cache_layout(kv_cache_dtype: str) -> str:
-    """The cache layout for a kv-cache dtype, or ValueError naming the ones this backend reads."""
-    try:
-        return CACHE_LAYOUTS[kv_cache_dtype]
-    except KeyError:
-        raise ValueError(f"{NAME}: kv-cache dtype {kv_cache_dtype!r} is not supported; use one of "
-                         f"{', '.join(CACHE_LAYOUTS)}") from None
-
-
-def _attend_bf16_rows(q: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, scale: float,
-                      layer: AttentionLayer) -> torch.Tensor:
-    # rows [n, 576] bf16 -> the kernel's [n, 1, 576]
-    return sparse_mla_fwd(q, rows.unsqueeze(1), slots, scale, d_v=LATENT)[0]
-
-
-def _attend_fp8_rows(q: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, scale: float,
-                     layer: AttentionLayer) -> torch.Tensor:
-    # rows [n, 656] of fp8_ds_mla bytes, whatever dtype the cache was allocated with
-    return sparse_mla_fwd_fp8(q, rows.view(torch.uint8), slots, scale, d_v=LATENT)[0]
-
-
-def _attend_fp8_e4m3_rows(q: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, scale: float,
-                          layer: AttentionLayer) -> torch.Tensor:
-    # rows [n, 576] of float8_e4m3 bytes, K = x * k_scale (read on the device)
-    return sparse_mla_fwd_fp8_e4m3(q, rows.view(torch.uint8).unsqueeze(1), slots, scale, layer._k_scale,
-                                   d_v=LATENT)[0]
-
-
-ATTEND: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, AttentionLayer], torch.Tensor]] = {
-    BF16_ROWS: _attend_bf16_rows,
-    FP8_DS_MLA_ROWS: _attend_fp8_rows,
-    FP8_E4M3_ROWS: _attend_fp8_e4m3_rows,
-}
+# the kv-cache dtypes vLLM 0.32.0 has that the kernels read (their layouts: sparse_mla.LAYOUTS)
+KV_CACHE_DTYPES: list[str] = ["auto", "bfloat16", "fp8_ds_mla", "fp8", "fp8_e4m3"]
 
 
 class TritonMLASparseBackend(AttentionBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16]
-    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = list(CACHE_LAYOUTS)
+    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = list(KV_CACHE_DTYPES)
 
     @staticmethod
     def get_name() -> str:
@@ -221,7 +171,7 @@ class TritonMLASparseImpl(MLAAttentionImpl[SparseMLACommonMetadata], SharedTopkI
             raise ValueError(f"{NAME} supports head size {HEAD_SIZE} with kv_lora_rank {LATENT}, got "
                              f"{head_size} and {mla_args.get('kv_lora_rank')}")
         # the cache layout first: a dtype the kernels cannot read fails before anything is set
-        self.layout = cache_layout(kv_cache_dtype)
+        self.layout = sparse_mla.layout_of(kv_cache_dtype, KV_CACHE_DTYPES, NAME)
         self.kv_cache_dtype = kv_cache_dtype
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = float(scale)
@@ -256,4 +206,5 @@ class TritonMLASparseImpl(MLAAttentionImpl[SparseMLACommonMetadata], SharedTopkI
         query = q if isinstance(q, torch.Tensor) else torch.cat(q, dim=-1)
         topk = self.topk_indices_buffer[: query.shape[0]]
         rows, slots = self._cache_rows(topk, attn_metadata, kv_c_and_k_pe_cache)
-        return ATTEND[self.layout](query, rows, slots, self.scale, layer), None
+        out = sparse_mla.attend(self.layout, query, rows, slots, self.scale, getattr(layer, "_k_scale", None))
+        return out, None
