@@ -297,3 +297,33 @@ def test_message_keeps_every_part():
     dropped = runner._message({"msg": 'Data could not be sent to remote host "h". Make sure this host can be '
                                       "reached over ssh:"})
     assert dropped.endswith("the connection dropped, e.g. the host stopped or lost its network)")
+
+
+PRUNE_PLAY = """
+- hosts: all
+  gather_facts: false
+  tasks:
+    - ansible.builtin.include_role:
+        name: vllm_install
+        tasks_from: prune
+      vars:
+        vllm_install_root: "{{ scratch }}/{{ inventory_hostname }}"
+        vllm_install_keep_releases: 0
+"""
+
+
+def test_prune_removes_what_an_interrupted_run_left(scratch):
+    h1 = scratch["root"] / "h1"
+    make_release(h1, "rel-a")
+    os.symlink("releases/rel-a", h1 / "current")
+    (h1 / "releases" / "rel-lost" / "venv" / "bin").mkdir(parents=True)  # interrupted: no release.json
+    (h1 / "wheelhouse" / "vllm-0.20.2").mkdir(parents=True)
+    (h1 / "wheelhouse" / "vllm-0.20.2" / "x.whl").write_text("")
+    (h1 / "releases" / "rel-b").mkdir()  # current's target is never removed, marker or not
+    os.unlink(h1 / "current")
+    os.symlink("releases/rel-b", h1 / "current")
+    report = run(scratch, PRUNE_PLAY, "pr-1", limit="h1")
+    assert report["rc"] == 0, report["_out"]
+    assert sorted(p.name for p in (h1 / "releases").iterdir()) == ["rel-a", "rel-b"]
+    assert list((h1 / "wheelhouse").iterdir()) == []
+    assert "vllm_install : Remove them" in hosts(report)["h1"]["changed"]
