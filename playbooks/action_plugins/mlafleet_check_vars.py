@@ -5,7 +5,7 @@ role runs with its default. This action runs once on the controller at the start
 rollback.yml (playbooks/check-vars.yml), looks at every inventory and extra variable of every
 host, and warns for each name that carries one of our prefixes (a role's name, the first word of
 one, or `mlafleet_`) but that no role's meta/argument_specs.yml and no playbook
-(playbooks/argument_specs.yml) declares, naming the closest declared name. It changes nothing
+(playbooks/meta/argument_specs.yml) declares, naming the closest declared name. It changes nothing
 and never fails the run: a warning, not a refusal (an operator may keep variables of their own).
 
 The functions above the action are plain Python (the mlafleet CLI uses them too).
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def spec_files(repo: Path = REPO) -> list[Path]:
     """Every role's argument specs, then the playbooks' own."""
-    return sorted((repo / "roles").glob("*/meta/argument_specs.yml")) + [repo / "playbooks" / "argument_specs.yml"]
+    return sorted((repo / "roles").glob("*/meta/argument_specs.yml")) + [repo / "playbooks" / "meta" / "argument_specs.yml"]
 
 
 def declared_variables(repo: Path = REPO) -> dict[str, dict[str, Any]]:
