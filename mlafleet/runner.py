@@ -286,8 +286,9 @@ def collect_reports(progress: Progress, report_dir: Path) -> None:
 def cause(host: HostState) -> str:
     """The reason a host did not finish, as one line."""
     if host.report and host.report.get("ok") is False and host.report.get("cause"):
-        restored = host.report.get("rolled_back_to")
-        return f"{host.report['cause']}" + (f" (rolled back to {restored})" if restored else "")
+        restored, error = host.report.get("rolled_back_to"), host.report.get("rollback_error")
+        return (f"{host.report['cause']}" + (f" (rolled back to {restored})" if restored else "")
+                + (f"; rollback failed: {error}" if error else ""))
     if host.failures:
         last = host.failures[-1]
         first = host.failures[0]

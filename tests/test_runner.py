@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -327,3 +328,41 @@ def test_prune_removes_what_an_interrupted_run_left(scratch):
     assert sorted(p.name for p in (h1 / "releases").iterdir()) == ["rel-a", "rel-b"]
     assert list((h1 / "wheelhouse").iterdir()) == []
     assert "vllm_install : Remove them" in hosts(report)["h1"]["changed"]
+
+
+def test_rollback_playbook_reports_every_failure(scratch, tmp_path):
+    """rollback.yml itself (through `mlafleet rollback`): each refused host gets its report, 0600."""
+    root = tmp_path / "fleet"
+    for host in ("nop", "inc", "held"):
+        make_release(root / host, "rel-b")
+        os.symlink("releases/rel-b", root / host / "current")
+    (root / "inc" / "releases" / "rel-a").mkdir()  # previous points at an incomplete release
+    os.symlink("releases/rel-a", root / "inc" / "previous")
+    make_release(root / "held", "rel-a")
+    os.symlink("releases/rel-a", root / "held" / "previous")
+    (root / "held" / ".lock").write_text(json.dumps({"owner": "ops@ctl", "run": "other", "time": time.time()}))
+    inv = tmp_path / "fleet.yml"
+    inv.write_text("all:\n  vars:\n    ansible_become: false\n    ansible_connection: local\n"
+                   f"    ansible_python_interpreter: {sys.executable}\n"
+                   f"    vllm_rollback_root: \"{root}/{{{{ inventory_hostname }}}}\"\n"
+                   f"    rollout_lock_path: \"{root}/{{{{ inventory_hostname }}}}/.lock\"\n"
+                   "  hosts:\n    nop: {}\n    inc: {}\n    held: {}\n")
+    run_id = f"test-rbp-{os.getpid()}-{int(time.time())}"
+    reports = runner.REPO / "reports" / run_id  # where the playbooks write their host reports
+    try:
+        report = runner.run_playbook("rollback", [inv], run=run_id, out=io.StringIO(), runner_root=scratch["runner"])
+        written = {h: json.loads((reports / f"{h}.json").read_text()) for h in ("nop", "inc", "held")}
+        modes = {(reports / f"{h}.json").stat().st_mode & 0o777 for h in written}
+    finally:
+        shutil.rmtree(reports, ignore_errors=True)
+    got = hosts(report)
+    assert {h: got[h]["status"] for h in got} == {"nop": "failed", "inc": "failed", "held": "failed"}
+    assert all(r["ok"] is False for r in written.values())
+    assert "no previous release to roll back to" in written["nop"]["cause"]
+    assert "not a complete release" in written["inc"]["cause"] and "release.json" in written["inc"]["cause"]
+    assert "another rollout holds this host" in written["held"]["cause"] and "run other" in written["held"]["cause"]
+    assert modes == {0o600}
+    assert "no previous release to roll back to" in got["nop"]["cause"]  # the CLI's cause, from the report
+    # Nothing changed: links as they were, the other run's lock untouched, no lock left by this run.
+    assert os.readlink(root / "inc" / "current") == "releases/rel-b" and not (root / "nop" / ".lock").exists()
+    assert json.loads((root / "held" / ".lock").read_text())["run"] == "other"
