@@ -328,6 +328,11 @@ def test_prune_removes_what_an_interrupted_run_left(scratch):
     assert sorted(p.name for p in (h1 / "releases").iterdir()) == ["rel-a", "rel-b"]
     assert list((h1 / "wheelhouse").iterdir()) == []
     assert "vllm_install : Remove them" in hosts(report)["h1"]["changed"]
+    # Nothing left (an empty wheelhouse, no releases directory matching): nothing to do, no error.
+    again = run(scratch, PRUNE_PLAY, "pr-2", limit="h1")
+    assert again["rc"] == 0 and hosts(again)["h1"]["changed"] == [], again["_out"]
+    (h1 / "wheelhouse").rmdir()
+    assert run(scratch, PRUNE_PLAY, "pr-3", limit="h1")["rc"] == 0
 
 
 def test_rollback_playbook_reports_every_failure(scratch, tmp_path):
