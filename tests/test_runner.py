@@ -247,15 +247,7 @@ def test_secrets_never_land_in_reports(scratch):
 
 
 # Live progress: the real task per host, a heartbeat on a long step, the failure cause whole.
-PROGRESS_PLAY = """
-- hosts: all
-  gather_facts: false
-  tasks:
-    - ansible.builtin.include_role:
-        name: rollout_lock
-      vars:
-        rollout_lock_path: "{{ scratch }}/{{ inventory_hostname }}.lock"
-        rollout_lock_run: "{{ mlafleet_run }}"
+PROGRESS_PLAY = LOCK_PLAY.replace("  serial: 1\n", "") + """\
     - name: Wait for the slow step
       ansible.builtin.command: sleep 3
       changed_when: false
