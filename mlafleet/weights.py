@@ -234,7 +234,7 @@ def build_manifest(directory: Path, model: str | None = None, jobs: int = 4,
     digests = hash_files(paths, jobs, progress)
     if progress:
         progress.finish()
-    return {
+    manifest = {
         "format": MANIFEST_FORMAT,
         "model": SHARD_RE.match(paths[0].name)["model"],
         "architecture": summary["architecture"],
@@ -244,18 +244,21 @@ def build_manifest(directory: Path, model: str | None = None, jobs: int = 4,
         "shards": [{"name": p.name, "size": sizes[p], "sha256": digests[p], "tensors": len(h.tensor_names)}
                    for p, h in zip(paths, headers)],
     }
+    try:  # what the role and the host module will check: a name they refuse is refused here already
+        stager().check_manifest(manifest)
+    except stager().StageError as err:
+        raise WeightsError(f"{directory}: {err}") from None
+    return manifest
 
 
 def load_manifest(path: Path) -> dict:
-    """Read a manifest and check its shard list (names 1..N of N, sizes, sha256)."""
+    """Read a manifest and check every name in it (model, shards 1..N of N, sizes, sha256)."""
     try:
         manifest = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
         raise WeightsError(f"cannot read manifest {path}: {err}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        raise WeightsError(f"{path} is not an mlafleet GGUF manifest (format {MANIFEST_FORMAT})")
     try:
-        stager().parse_shards(manifest.get("shards") or [])
+        stager().check_manifest(manifest)
     except stager().StageError as err:
         raise WeightsError(f"{path}: {err}") from None
     return manifest

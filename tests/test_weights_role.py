@@ -158,3 +158,30 @@ def test_role_hub_token_never_reaches_ansible_output(staged_setup, tmp_path: Pat
 def test_role_argument_spec_names_bad_input(tmp_path: Path) -> None:
     done, _ = run_role(tmp_path, {"gguf_weights_manifest": "/x.json", "gguf_weights_source": "ftp"})
     assert done.returncode != 0 and "gguf_weights_source" in done.stdout and "ftp" in done.stdout
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model": "../../../evil"}, "manifest model '../../../evil' is not a plain name"),
+    ({"model": "/tmp/evil"}, "manifest model '/tmp/evil' is not a plain name"),
+    ({"split_count": 4}, "manifest lists 3 shards of 3, split_count says 4: the shard list is incomplete"),
+    ({"drop_last": True, "split_count": 2}, "does not list shards 1..3 of 3 exactly once (missing [3]"),
+    ({"rename_first": "../tiny-glm-00001-of-00003.gguf"}, "is not of the form <model>-0000K-of-0000N.gguf"),
+])
+def test_role_refuses_bad_manifest_names_before_anything_is_created(staged_setup, tmp_path: Path, change: dict,
+                                                                     message: str) -> None:
+    origin, manifest_path = staged_setup
+    manifest = json.loads(manifest_path.read_text())
+    if change.pop("drop_last", False):
+        del manifest["shards"][-1]
+    if "rename_first" in change:
+        manifest["shards"][0]["name"] = change.pop("rename_first")
+    manifest.update(change)
+    bad = tmp_path / "bad-manifest.json"
+    bad.write_text(json.dumps(manifest))
+    root = tmp_path / "a" / "b" / "c" / "models"
+    extra = {"gguf_weights_manifest": str(bad), "gguf_weights_source": "path", "gguf_weights_path": str(origin),
+             "gguf_weights_root": str(root), "gguf_weights_reserve_mb": 0}
+    done, stats = run_role(tmp_path, extra)
+    assert done.returncode != 0 and stats["failures"] == 1
+    assert message in done.stdout and "nothing was created" in done.stdout
+    assert not (tmp_path / "a").exists() and not (tmp_path / "evil").exists()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -346,6 +347,35 @@ def test_a_second_stager_on_the_same_directory_is_refused(model, tmp_path: Path)
 def test_bad_manifests_are_named(entries: list, message: str) -> None:
     with pytest.raises(host.StageError, match=message):
         host.parse_shards(entries)
+
+
+def _manifest(model: str = "m", count: int = 2, names: list[str] | None = None) -> dict:
+    names = names or [f"{model}-{n:05d}-of-{count:05d}.gguf" for n in range(1, count + 1)]
+    return {"format": host.MANIFEST_FORMAT, "model": model, "split_count": count,
+            "shards": [{"name": n, "size": 1, "sha256": "0" * 64} for n in names]}
+
+
+@pytest.mark.parametrize("manifest, message", [
+    ({"format": "other"}, "not an mlafleet GGUF manifest"),
+    (_manifest(model="../../tmp/evil", names=["x-00001-of-00002.gguf", "x-00002-of-00002.gguf"]), "not a plain name"),
+    (_manifest(model="a/b", names=["b-00001-of-00002.gguf", "b-00002-of-00002.gguf"]), "not a plain name"),
+    (_manifest(model="..", names=["m-00001-of-00002.gguf", "m-00002-of-00002.gguf"]), "not a plain name"),
+    (_manifest(model=".hidden", names=["m-00001-of-00002.gguf", "m-00002-of-00002.gguf"]), "not a plain name"),
+    (_manifest(names=["../m-00001-of-00002.gguf", "m-00002-of-00002.gguf"]), "no separators"),
+    (_manifest(names=["m..x-00001-of-00002.gguf", "m..x-00002-of-00002.gguf"]), "no '..'"),
+    (_manifest(model="m", names=["other-00001-of-00002.gguf", "other-00002-of-00002.gguf"]), "of model 'other'"),
+    ({**_manifest(), "split_count": 3}, "lists 2 shards of 2, split_count says 3"),
+    ({**_manifest(count=3), "shards": _manifest(count=3)["shards"][:2], "split_count": 2}, "1..3 of 3 exactly once (missing [3]"),
+    ({**_manifest(), "split_count": "2"}, "split_count '2' is not a positive integer"),
+])
+def test_check_manifest_names_every_bad_name(manifest: dict, message: str) -> None:
+    with pytest.raises(host.StageError, match=re.escape(message) if "'" in message or "." in message else message):
+        host.check_manifest(manifest)
+
+
+def test_check_manifest_accepts_a_complete_one() -> None:
+    assert [s.name for s in host.check_manifest(_manifest(model="GLM-5-Q4_K_M", count=2))] == [
+        "GLM-5-Q4_K_M-00001-of-00002.gguf", "GLM-5-Q4_K_M-00002-of-00002.gguf"]
 
 
 def test_host_module_needs_only_the_standard_library() -> None:

@@ -67,7 +67,12 @@ options:
 
 CHUNK = 8 << 20
 STAMP_DIR = ".mlafleet-stamps"
-SHARD_RE = re.compile(r"^(?P<model>[^/]+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+MANIFEST_FORMAT = "mlafleet-gguf-manifest/1"
+# A model name becomes a directory and every shard name a file in it: letters, digits, '.', '_',
+# '-', starting with a letter or digit, and never '..' (no separators, no way up or out).
+NAME_RE = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+MODEL_RE = re.compile(rf"^{NAME_RE}$")
+SHARD_RE = re.compile(rf"^(?P<model>{NAME_RE})-(?P<no>\d{{5}})-of-(?P<count>\d{{5}})\.gguf$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 Log = Callable[[str], None]
@@ -94,8 +99,9 @@ def parse_shards(entries: list[dict]) -> list[Shard]:
     numbers: list[int] = []
     for entry in entries:
         name = entry.get("name") if isinstance(entry, dict) else None
-        if not isinstance(name, str) or not SHARD_RE.match(name):
-            raise StageError(f"manifest shard name {name!r} is not of the form <model>-0000K-of-0000N.gguf")
+        if not isinstance(name, str) or not SHARD_RE.match(name) or ".." in name:
+            raise StageError(f"manifest shard name {name!r} is not of the form <model>-0000K-of-0000N.gguf "
+                             "(letters, digits, '.', '_', '-'; no separators, no '..')")
         size, sha = entry.get("size"), str(entry.get("sha256", "")).lower()
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise StageError(f"manifest shard {name}: size {size!r} is not a non-negative integer")
@@ -116,6 +122,35 @@ def parse_shards(entries: list[dict]) -> list[Shard]:
         raise StageError(f"manifest does not list shards 1..{count} of {count} exactly once "
                          f"(missing {missing}, duplicate or out of range {extra})")
     return sorted(shards, key=lambda s: s.name)
+
+
+def check_manifest(manifest: object) -> list[Shard]:
+    """Every name a manifest holds, checked before anything is created from it.
+
+    The format, the model name (a directory: no separators, no '..'), split_count, and the shard
+    list (parse_shards: the shard pattern, 1..N of N exactly once) with every shard of that model
+    and of split_count shards. Returns the shards; raises StageError naming the first problem.
+    """
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        raise StageError(f"not an mlafleet GGUF manifest (format {MANIFEST_FORMAT})")
+    model = manifest.get("model")
+    if not isinstance(model, str) or not MODEL_RE.match(model) or ".." in model:
+        raise StageError(f"manifest model {model!r} is not a plain name (letters, digits, '.', '_', '-', "
+                         "starting with a letter or digit; no separators, no '..')")
+    count = manifest.get("split_count")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise StageError(f"manifest split_count {count!r} is not a positive integer")
+    entries = manifest.get("shards")
+    if not isinstance(entries, list):
+        raise StageError("manifest shards is not a list")
+    shards = parse_shards(entries)
+    first = SHARD_RE.match(shards[0].name)
+    if first["model"] != model:
+        raise StageError(f"manifest shards are of model {first['model']!r}, the manifest says {model!r}")
+    if int(first["count"]) != count or len(shards) != count:
+        raise StageError(f"manifest lists {len(shards)} shards of {int(first['count'])}, split_count says {count}: "
+                         "the shard list is incomplete or inconsistent")
+    return shards
 
 
 def sha256_file(path: str) -> str:

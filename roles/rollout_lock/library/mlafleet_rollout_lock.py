@@ -125,7 +125,11 @@ def main() -> None:
         module.exit_json(changed=False, msg="free")
     if not module.check_mode:
         take(module, p["path"], p["run"], p["owner"])
-    module.exit_json(changed=True, msg="taken" if broken is None else "stale lock broken and taken", broken=broken)
+    if broken is None:
+        module.exit_json(changed=True, msg="taken", broken=None)
+    text, _ = describe(broken, now)
+    msg = f"{p['path']}: broke the stale lock of {text} (rollout_lock_break=true) and took it"
+    module.exit_json(changed=True, msg=msg, broken=broken, warnings=[msg])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,98 @@
+"""The preflight role's server checks: real ansible-runner runs of the role on the controller itself
+(connection local, no GPU), and its argument-parsing filters."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlafleet import runner
+
+REPO = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location(
+    "preflight_parallel", REPO / "roles" / "preflight" / "filter_plugins" / "preflight_parallel.py")
+plugin = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(plugin)
+
+PLAY = """
+- hosts: all
+  gather_facts: false
+  roles:
+    - role: preflight
+"""
+
+
+@pytest.mark.parametrize("args, tensor, pipeline", [
+    ([], 1, 1),
+    (["--tensor-parallel-size=8"], 8, 1),
+    (["--tensor-parallel-size", "4", "-pp", "2"], 4, 2),
+    (["-tp 2", "--pipeline-parallel-size=3", "--max-model-len=1024"], 2, 3),
+    (["--tensor-parallel-size=2", "--tensor-parallel-size=4"], 4, 1),  # the last one wins, as in argparse
+])
+def test_parallel_sizes(args, tensor, pipeline):
+    got = plugin.parallel_sizes(args)
+    assert (got["tensor"], got["pipeline"], got["world"], got["problems"]) == (tensor, pipeline, tensor * pipeline, [])
+
+
+def test_parallel_sizes_bad_values_and_heads():
+    assert plugin.parallel_sizes(["--tensor-parallel-size=eight"])["problems"] == [
+        "vllm_server_args: --tensor-parallel-size 'eight' is not a positive integer"]
+    assert plugin.parallel_sizes(["-tp"])["problems"]
+    assert plugin.attention_heads('{"num_attention_heads": 64}') == 64
+    assert plugin.attention_heads({"text_config": {"num_attention_heads": 32}}) == 32
+    assert plugin.attention_heads("not json") is None and plugin.attention_heads("{}") is None
+
+
+def run_preflight(tmp_path: Path, cases: dict[str, dict]) -> dict[str, dict]:
+    """One plan run of the role, one local host per case (its variables as host vars); host -> report row."""
+    hosts = "".join(f"    {name}: {json.dumps({'ansible_connection': 'local', 'ansible_python_interpreter': sys.executable, **v})}\n"
+                    for name, v in cases.items())
+    inv = tmp_path / "inventory.yml"
+    inv.write_text(f"all:\n  hosts:\n{hosts}")
+    (tmp_path / "preflight.yml").write_text(PLAY)
+    extravars = {"preflight_require_gpu": False, "preflight_min_free_gb": 0, "preflight_data_dir": str(tmp_path)}
+    report = runner.run_playbook("plan", [inv], extravars=extravars, run="pf", out=io.StringIO(),
+                                 playbook=str(tmp_path / "preflight.yml"), runner_root=tmp_path / "runner",
+                                 report_root=tmp_path / "reports")
+    return {h["host"]: h for h in report["hosts"]}
+
+
+def test_preflight_refuses_what_the_server_cannot_do_on_this_host(tmp_path: Path) -> None:
+    model = tmp_path / "model-src"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_attention_heads": 2, "num_hidden_layers": 2}))
+    on_host = tmp_path / "hf-config"
+    on_host.mkdir()
+    (on_host / "config.json").write_text(json.dumps({"num_attention_heads": 64}))
+    got = run_preflight(tmp_path, {
+        # Refused: more GPUs than the host has, and heads the tensor parallel size cannot split.
+        "tp3": {"vllm_server_args": ["--dtype=float32", "--tensor-parallel-size=3"],
+                "vllm_server_model_src": f"{model}/", "vllm_server_model": str(tmp_path / "absent")},
+        # What fits passes; pipeline parallel counts GPUs too (config.json read on the host here).
+        "fits": {"vllm_server_args": ["--tensor-parallel-size", "1"], "vllm_server_hf_config_path": str(on_host),
+                 "vllm_server_model_src": f"{model}/"},
+        "pp2": {"vllm_server_args": ["-tp", "1", "-pp", "2"], "vllm_server_hf_config_path": str(on_host)},
+        # Off loopback without an API key: refused, unless there is a key or the documented opt-out.
+        "open": {"vllm_server_host": "0.0.0.0"},
+        "keyed": {"vllm_server_host": "0.0.0.0", "vllm_server_api_key": "k-0123456789"},
+        "optout": {"vllm_server_host": "10.0.0.5", "preflight_allow_unauthenticated_server": True},
+        "ipv6lo": {"vllm_server_host": "::1"},
+        "lo2": {"vllm_server_host": "127.0.0.2"},
+    })
+    assert got["tp3"]["status"] == "failed"
+    assert ("vllm_server_args ask for 3 GPUs (tensor parallel 3 x pipeline parallel 1), the host has 0 "
+            "(a CPU host runs tensor x pipeline parallel 1)") in got["tp3"]["cause"]
+    assert (f"tensor parallel 3 does not divide the model's 2 attention heads (controller:{model}/config.json)"
+            in got["tp3"]["cause"])
+    assert "ask for 2 GPUs (tensor parallel 1 x pipeline parallel 2)" in got["pp2"]["cause"]
+    assert "attention heads" not in got["pp2"]["cause"]
+    assert got["open"]["status"] == "failed"
+    assert "vllm_server_host 0.0.0.0 is not loopback and vllm_server_api_key is empty" in got["open"]["cause"]
+    assert "preflight_allow_unauthenticated_server: true" in got["open"]["cause"]
+    for name in ("fits", "keyed", "optout", "ipv6lo", "lo2"):
+        assert got[name]["status"] == "ok", (name, got[name]["cause"])
