@@ -227,6 +227,9 @@ def prepare_private_data_dir(root: Path, run: str, extravars: dict[str, Any], ch
     (pdd / "env" / "extravars").write_text(json.dumps(extravars, indent=2, sort_keys=True) + "\n")
     envvars = {"ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_ROLES_PATH": str(REPO / "roles"),
                "ANSIBLE_FORCE_COLOR": "0", "ANSIBLE_NOCOLOR": "1",
+               # ansible.cfg's callback_plugins, which ansible-runner's own setting would replace:
+               # the mlafleet_report callback writes the timeline and the HTML report.
+               "ANSIBLE_CALLBACK_PLUGINS": str(REPO / "plugins" / "callback"),
                # ansible-playbook from the same venv as mlafleet, whatever the caller's PATH.
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     (pdd / "env" / "envvars").write_text(json.dumps(envvars, indent=2, sort_keys=True) + "\n")
@@ -278,6 +281,7 @@ def run_playbook(command: str, inventories: list[Path], extravars: dict[str, Any
     result = ansible_runner.run(
         private_data_dir=str(pdd), playbook=playbook, inventory=[str(i.resolve()) for i in inventories],
         ident=run, event_handler=on_event, quiet=True,
+        envvars={"MLAFLEET_REPORT_ROOT": str(report_dir.parent)},  # where the report callback writes
     )
     finish(progress, plays[-1] if plays else "")
     collect_reports(progress, report_dir)
@@ -294,6 +298,10 @@ def run_playbook(command: str, inventories: list[Path], extravars: dict[str, Any
     (report_dir / "summary.txt").write_text(text)
     out.write(text)
     out.write(f"report: {report_dir / 'run.json'}, summary: {report_dir / 'summary.txt'}\n")
+    # perf gate / rollout report: the HTML again, now with run.json's statuses and causes.
+    from mlafleet.report import render_quietly
+
+    out.write(f"rollout report: {render_quietly(report_dir)}\n")
     return report
 
 
