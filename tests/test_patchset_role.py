@@ -1,8 +1,9 @@
 """The vllm_patch role and its module, run by ansible-playbook on this machine (connection local).
 
-The install is a real virtual environment holding vLLM 0.20.2's own files for everything the
-patch set touches (taken from the pinned wheel, with its METADATA), so the role's version probe,
-hash checks, backups, atomic writes, byte-compilation and restore run for real. The proof in
+The install is a real virtual environment holding vLLM's own files for everything the patch
+set touches (taken from the pinned wheels, with their METADATA: vLLM 0.20.2, or vLLM 0.32.0
+with vllm-gguf-plugin 0.0.5), so the role's version probes, hash checks, backups, atomic
+writes, byte-compilation and restore run for real, for both distributions of the 0.32.0 set. The proof in
 vLLM's interpreter needs the whole of vLLM and runs in tests/test_patchset_vllm.py and in the
 molecule scenario `patch`; here it is off.
 """
@@ -20,42 +21,55 @@ from pathlib import Path
 
 import pytest
 
-from mlafleet import patchset
+from patchset_support import build_patchset, pinned_wheels
 
 VERSION = "0.20.2"
+VERSION_032 = "0.32.0"
+PLUGIN = "vllm-gguf-plugin"
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
 @pytest.fixture(scope="module")
 def wheel() -> Path:
-    spec = patchset.load_spec(VERSION)
-    path = patchset.default_cache_dir() / spec.wheel_filename
-    if not path.is_file():
-        pytest.fail(f"{path} is missing: run `mlafleet patchset build --vllm {VERSION}` once first")
-    return path
+    return pinned_wheels(VERSION)["vllm"]
 
 
 @pytest.fixture(scope="module")
-def build_dir(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> Path:
+def build_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Both patch sets built, as `make patchset` leaves build/patchset/."""
     root = tmp_path_factory.mktemp("built")
-    patchset.build(VERSION, root / VERSION, wheel=wheel)
+    for version in (VERSION, VERSION_032):
+        build_patchset(version, root / version)
     return root
 
 
-@pytest.fixture()
-def install(tmp_path: Path, wheel: Path, build_dir: Path) -> Path:
-    venv = tmp_path / "venv"
+def make_install(venv: Path, version: str, build_dir: Path, with_plugin: bool = True) -> Path:
+    """A venv holding the pinned wheels' own copies of every file the patch set reads, and the
+    distributions' METADATA (what the version probes read)."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = Path(subprocess.run([str(venv / "bin/python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                                capture_output=True, text=True, check=True).stdout.strip())
-    manifest = json.loads((build_dir / VERSION / "manifest.json").read_text())
+    manifest = json.loads((build_dir / version / "manifest.json").read_text())
     wanted = {t["path"] for t in manifest["targets"]} | {"vllm/__init__.py", "vllm/third_party/__init__.py"}
-    with zipfile.ZipFile(wheel) as archive:
-        for name in archive.namelist():
-            if name in wanted or name == f"vllm-{VERSION}.dist-info/METADATA":
-                archive.extract(name, site)
+    for distribution, path in pinned_wheels(version).items():
+        if distribution != "vllm" and not with_plugin:
+            continue
+        with zipfile.ZipFile(path) as archive:
+            for name in archive.namelist():
+                if name in wanted or name.endswith(".dist-info/METADATA"):
+                    archive.extract(name, site)
     return venv
+
+
+@pytest.fixture()
+def install(tmp_path: Path, build_dir: Path) -> Path:
+    return make_install(tmp_path / "venv", VERSION, build_dir)
+
+
+@pytest.fixture()
+def install_032(tmp_path: Path, build_dir: Path) -> Path:
+    return make_install(tmp_path / "venv032", VERSION_032, build_dir)
 
 
 def site_of(venv: Path) -> Path:
@@ -158,7 +172,7 @@ def test_unsupported_version_names_the_supported_ones(tmp_path: Path, install: P
     metadata.write_text(re.sub(r"(?m)^Version: .*$", "Version: 0.19.1", metadata.read_text()))
     before = snapshot(site)
     rc, out, _ = play(tmp_path, install, build_dir)
-    assert rc != 0 and "vLLM 0.19.1 has no patch set (supported: 0.20.2)" in out
+    assert rc != 0 and "vLLM 0.19.1 has no patch set (supported: 0.20.2, 0.32.0)" in out
     assert snapshot(site) == before
 
 
@@ -179,3 +193,70 @@ def test_missing_install_fails_and_changes_nothing_anywhere(tmp_path: Path, inst
     rc, out, _ = play(tmp_path, install, build_dir, extra={"vllm_patch_extra_installs": [str(tmp_path / "nope")]})
     assert rc != 0 and f"{tmp_path / 'nope'}: no such directory" in out
     assert snapshot(site) == before
+
+
+# --- the 0.32.0 set: two distributions in one install -----------------------------------------
+
+
+def test_032_patches_and_restores_both_distributions(tmp_path: Path, install_032: Path, build_dir: Path) -> None:
+    site = site_of(install_032)
+    before = snapshot(site)
+    manifest = json.loads((build_dir / VERSION_032 / "manifest.json").read_text())
+    plugin_files = [t["path"] for t in manifest["targets"] + manifest["added"] if t.get("distribution") == PLUGIN]
+    assert "vllm_gguf_plugin/weights_adapter/__init__.py" in plugin_files
+    assert "vllm_gguf_plugin/weights_adapter/glm_dsa.py" in plugin_files
+
+    rc, out, counts = play(tmp_path, install_032, build_dir)
+    assert rc == 0 and counts["changed"] == 1, out[-3000:]
+    backup = install_032 / "mlafleet-patch-backup" / VERSION_032
+    for target in manifest["targets"]:
+        assert hashlib.sha256((site / target["path"]).read_bytes()).hexdigest() == target["patched_sha256"]
+        saved = backup / "originals" / target["path"]
+        assert hashlib.sha256(saved.read_bytes()).hexdigest() == target["original_sha256"], target["path"]
+    for added in manifest["added"]:
+        assert hashlib.sha256((site / added["path"]).read_bytes()).hexdigest() == added["sha256"]
+    assert json.loads((backup / "manifest.json").read_text()) == manifest
+
+    rc, out, counts = play(tmp_path, install_032, build_dir)  # idempotence
+    assert rc == 0 and counts["changed"] == 0, out[-3000:]
+    rc, out, counts = play(tmp_path, install_032, build_dir, state="absent")
+    assert rc == 0 and counts["changed"] == 1, out[-3000:]
+    assert snapshot(site) == before  # both distributions' originals back, our files gone
+    assert not (site / "vllm_gguf_plugin/gguf_glm_dsa.py").exists()
+
+
+def test_032_tampered_plugin_file_is_refused_naming_the_distribution(tmp_path: Path, install_032: Path,
+                                                                    build_dir: Path) -> None:
+    site = site_of(install_032)
+    target = site / "vllm_gguf_plugin/weights_adapter/__init__.py"
+    target.write_bytes(target.read_bytes() + b"# local change\n")
+    before = snapshot(site)
+    rc, out, _ = play(tmp_path, install_032, build_dir)
+    assert rc != 0 and "refusing to patch" in out and str(target) in out
+    assert "expected vllm-gguf-plugin 0.0.5's original" in out
+    assert snapshot(site) == before and not (install_032 / "mlafleet-patch-backup").exists()
+
+
+@pytest.mark.parametrize("plugin", ["other version", "absent"])
+def test_032_needs_the_plugin_version_it_was_built_from(tmp_path: Path, build_dir: Path, plugin: str) -> None:
+    venv = make_install(tmp_path / "venv", VERSION_032, build_dir, with_plugin=plugin != "absent")
+    site = site_of(venv)
+    if plugin == "other version":
+        metadata = next(site.glob("vllm_gguf_plugin-*.dist-info")) / "METADATA"
+        metadata.write_text(re.sub(r"(?m)^Version: .*$", "Version: 0.0.4", metadata.read_text()))
+        message = f"{venv}: vllm-gguf-plugin 0.0.4 is installed; the patch set for vLLM 0.32.0 is built from vllm-gguf-plugin 0.0.5"
+    else:
+        message = f"{venv}: the patch set for vLLM 0.32.0 patches vllm-gguf-plugin 0.0.5, which is not installed there"
+    before = snapshot(site)
+    rc, out, _ = play(tmp_path, venv, build_dir)
+    assert rc != 0 and message in out and "nothing was changed on this host" in out
+    assert snapshot(site) == before
+
+
+def test_one_host_with_both_lines(tmp_path: Path, install: Path, install_032: Path, build_dir: Path) -> None:
+    """Two installs of different lines on one host: each gets its own version's set."""
+    rc, out, counts = play(tmp_path, install, build_dir, extra={"vllm_patch_extra_installs": [str(install_032)]})
+    assert rc == 0 and counts["changed"] == 1, out[-3000:]
+    assert (install / "mlafleet-patch-backup" / VERSION / "manifest.json").is_file()
+    assert (install_032 / "mlafleet-patch-backup" / VERSION_032 / "manifest.json").is_file()
+    assert (site_of(install_032) / "vllm_gguf_plugin/weights_adapter/glm_dsa.py").is_file()

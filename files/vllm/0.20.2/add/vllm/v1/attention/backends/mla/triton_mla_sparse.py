@@ -14,6 +14,8 @@ sparse-MLA metadata and builder (flashmla_sparse.py) and its index conversion
 - `sparse_mla_fwd` (bf16 cache, [slots, 1, 576]) or `sparse_mla_fwd_fp8` (fp8_ds_mla cache,
   uint8 [num_blocks, 64, 1, 656]) attend over those slots for every query token, prefill and
   decode alike (no head padding, no FlashMLA scheduler metadata, no prefill workspace).
+
+`kv_cache_dtype` "fp8" means fp8_ds_mla here, as for vLLM's own sparse backends.
 """
 
 from typing import TYPE_CHECKING, ClassVar
@@ -42,17 +44,48 @@ if TYPE_CHECKING:
 
 BLOCK_SIZE = 64  # tokens per KV-cache block (fp8_ds_mla's layout fixes it)
 HEAD_SIZE = 576  # 512 latent (kv_lora_rank) + 64 RoPE
+LATENT = 512  # the value part of a cached token
 FP8_DS_MLA_TOKEN_BYTES = 656  # 512 fp8 values, 4 float32 scales, 64 bf16 RoPE values
+
+# kv_cache_dtype -> how the cache holds a token
+BF16_ROWS = "bf16"
+FP8_DS_MLA_ROWS = "fp8_ds_mla"
+CACHE_LAYOUTS: dict[str, str] = {
+    "auto": BF16_ROWS,  # the model's dtype, which the backend requires to be bf16
+    "bfloat16": BF16_ROWS,
+    "fp8_ds_mla": FP8_DS_MLA_ROWS,
+    # fp8: what vLLM's sparse-MLA backends mean by it. The MLA layer converts it before the
+    # cache is allocated (the patch set's mla-fp8-kv edit); an impl built with "fp8" directly
+    # (vLLM's own backend tests do that) reads fp8_ds_mla too.
+    "fp8": FP8_DS_MLA_ROWS,
+}
+
+
+def cache_layout(kv_cache_dtype: str) -> str:
+    """The cache layout for a kv-cache dtype, or ValueError naming the ones this backend reads."""
+    try:
+        return CACHE_LAYOUTS[kv_cache_dtype]
+    except KeyError:
+        raise ValueError(f"TRITON_MLA_SPARSE: kv-cache dtype {kv_cache_dtype!r} is not supported; "
+                         f"use one of {', '.join(CACHE_LAYOUTS)}") from None
+
+
+def _attend_bf16(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
+    # [num_blocks, 64, 576] bf16 -> the kernel's [slots, 1, 576]
+    return sparse_mla_fwd(q, cache.view(-1, 1, cache.shape[-1]), slots, scale, d_v=LATENT)[0]
+
+
+def _attend_fp8_ds_mla(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
+    # [num_blocks, 64, 656] fp8_ds_mla bytes -> the kernel's uint8 [num_blocks, 64, 1, 656]
+    return sparse_mla_fwd_fp8(q, cache.view(torch.uint8).unsqueeze(-2), slots, scale, d_v=LATENT)[0]
+
+
+ATTEND = {BF16_ROWS: _attend_bf16, FP8_DS_MLA_ROWS: _attend_fp8_ds_mla}
 
 
 class TritonMLASparseBackend(AttentionBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16]
-    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = [
-        "auto",
-        "bfloat16",
-        "fp8_ds_mla",
-        "fp8",  # alias: the MLA layer turns it into fp8_ds_mla (patch set's mla-fp8-kv edit)
-    ]
+    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = list(CACHE_LAYOUTS)
 
     @staticmethod
     def get_name() -> str:
@@ -94,7 +127,7 @@ class TritonMLASparseBackend(AttentionBackend):
         head_size: int,
         cache_dtype_str: str = "auto",
     ) -> tuple[int, ...]:
-        if cache_dtype_str == "fp8_ds_mla":
+        if CACHE_LAYOUTS.get(cache_dtype_str) == FP8_DS_MLA_ROWS:
             return (num_blocks, block_size, FP8_DS_MLA_TOKEN_BYTES)
         return (num_blocks, block_size, head_size)
 
@@ -133,22 +166,23 @@ class TritonMLASparseImpl(SparseMLAAttentionImpl[FlashMLASparseMetadata]):
         if indexer is None:
             raise ValueError("TRITON_MLA_SPARSE needs the model's sparse-attention indexer "
                              "(a DeepSeek-V3.2 / GLM-5 style model)")
-        if head_size != HEAD_SIZE:
-            raise ValueError(f"TRITON_MLA_SPARSE supports head size {HEAD_SIZE}, got {head_size}")
-        if kv_cache_dtype == "fp8":
-            raise ValueError("TRITON_MLA_SPARSE: kv-cache dtype 'fp8' reached the backend "
-                             "unconverted; the MLA layer turns it into fp8_ds_mla (is the "
-                             "patch set's mla_attention.py edit in place?)")
-        if kv_cache_dtype not in TritonMLASparseBackend.supported_kv_cache_dtypes:
-            raise ValueError(f"TRITON_MLA_SPARSE: kv-cache dtype {kv_cache_dtype!r} is not "
-                             "supported (use auto, bfloat16, fp8_ds_mla or fp8)")
-        self.num_heads = num_heads
-        self.head_size = head_size
-        self.scale = float(scale)
-        self.num_kv_heads = num_kv_heads
+        if head_size != HEAD_SIZE or mla_args.get("kv_lora_rank", LATENT) != LATENT:
+            raise ValueError(f"TRITON_MLA_SPARSE supports head size {HEAD_SIZE} with kv_lora_rank "
+                             f"{LATENT}, got {head_size} and {mla_args.get('kv_lora_rank')}")
+        # the cache layout first: a dtype the kernels cannot read fails before anything is set
+        self.layout = cache_layout(kv_cache_dtype)
         self.kv_cache_dtype = kv_cache_dtype
-        self.kv_lora_rank: int = mla_args["kv_lora_rank"]
+        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
+        self.scale = float(scale)
+        self.kv_lora_rank = LATENT
         self.topk_indices_buffer: torch.Tensor | None = indexer.topk_indices_buffer
+
+    def _cache_slots(self, topk: torch.Tensor, metadata: FlashMLASparseMetadata) -> torch.Tensor:
+        """Each token's top-k positions (per request, -1 for none) as cache slots, [T, 1, k]."""
+        slots = triton_convert_req_index_to_global_index(
+            metadata.req_id_per_token, metadata.block_table, topk,
+            BLOCK_SIZE=metadata.block_size, NUM_TOPK_TOKENS=topk.shape[1])
+        return slots.view(topk.shape[0], 1, topk.shape[1])
 
     def forward_mqa(
         self,
@@ -157,31 +191,8 @@ class TritonMLASparseImpl(SparseMLAAttentionImpl[FlashMLASparseMetadata]):
         attn_metadata: FlashMLASparseMetadata,
         layer: AttentionLayer,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if isinstance(q, tuple):  # (ql_nope [T, H, 512], q_pe [T, H, 64])
-            q = torch.cat(q, dim=-1)
-        num_tokens = q.shape[0]
+        # (latent q [T, H, 512], RoPE q [T, H, 64]) or both in one [T, H, 576]
+        query = q if isinstance(q, torch.Tensor) else torch.cat(q, dim=-1)
         assert self.topk_indices_buffer is not None
-        topk_indices = self.topk_indices_buffer[:num_tokens]
-
-        # Per-request token positions -> global slot ids (block * 64 + offset, -1 invalid).
-        global_indices = triton_convert_req_index_to_global_index(
-            attn_metadata.req_id_per_token,
-            attn_metadata.block_table,
-            topk_indices,
-            BLOCK_SIZE=attn_metadata.block_size,
-            NUM_TOPK_TOKENS=topk_indices.shape[1],
-        ).view(num_tokens, 1, -1)
-
-        if self.kv_cache_dtype == "fp8_ds_mla":
-            # [num_blocks, 64, 656] -> the kernel's [num_blocks, 64, 1, 656] uint8
-            kv_cache = kv_c_and_k_pe_cache.view(torch.uint8).unsqueeze(-2)
-            out, _ = sparse_mla_fwd_fp8(
-                q, kv_cache, global_indices, self.scale, d_v=self.kv_lora_rank
-            )
-        else:
-            # [num_blocks, 64, 576] -> [slots, 1, 576]
-            kv_cache = kv_c_and_k_pe_cache.view(-1, 1, kv_c_and_k_pe_cache.shape[-1])
-            out, _ = sparse_mla_fwd(
-                q, kv_cache, global_indices, self.scale, d_v=self.kv_lora_rank
-            )
-        return out, None
+        slots = self._cache_slots(self.topk_indices_buffer[: query.shape[0]], attn_metadata)
+        return ATTEND[self.layout](query, kv_c_and_k_pe_cache, slots, self.scale), None

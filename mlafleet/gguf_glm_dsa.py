@@ -153,11 +153,12 @@ def weights_map(config: Any) -> dict[str, str]:
     return mapping
 
 
-def dense_module_names(config: Any) -> list[str]:
-    """Modules of a GLM-5 model that stay unquantised whatever the GGUF's types (see _DENSE_ONLY)."""
+def dense_module_names(config: Any, also_dense: tuple[str, ...] = ()) -> list[str]:
+    """Modules of a GLM-5 model that stay unquantised whatever the GGUF's types (see _DENSE_ONLY),
+    with `also_dense` (module names inside a layer) where a loader cannot take them quantised."""
     out = []
     for i in range(config.num_hidden_layers):
-        for m in _DENSE_ONLY:
+        for m in _DENSE_ONLY + tuple(also_dense):
             if m == "mlp.gate" and not _is_moe_layer(config, i):
                 continue
             out.append(f"model.layers.{i}.{m}")
@@ -211,7 +212,7 @@ def _check_split(readers: list[gguf.GGUFReader], files: list[str]) -> None:
 
 
 def weights_iterator(gguf_files: list[str], gguf_to_hf_name_map: dict[str, str],
-                     dtype: torch.dtype) -> Generator[tuple[str, torch.Tensor], None, None]:
+                     dtype: torch.dtype, also_dense: tuple[str, ...] = ()) -> Generator[tuple[str, torch.Tensor], None, None]:
     """(parameter name, tensor) for vLLM's GlmMoeDsaForCausalLM.load_weights, from all shards.
 
     As vLLM's GGUF iterator does, every `<name>.qweight_type` comes first, then the data
@@ -229,7 +230,7 @@ def weights_iterator(gguf_files: list[str], gguf_to_hf_name_map: dict[str, str],
         raise ValueError(f"GLM-5 GGUF {gguf_files[0]}: tensors missing from all {len(gguf_files)} shards: {missing}")
 
     def dense(name: str) -> bool:
-        return any(f".{m}." in name for m in _DENSE_ONLY)
+        return any(f".{m}." in name for m in _DENSE_ONLY + tuple(also_dense))
 
     for t in tensors:
         name = gguf_to_hf_name_map[t.name]

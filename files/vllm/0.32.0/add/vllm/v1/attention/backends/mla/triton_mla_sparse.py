@@ -1,0 +1,240 @@
+# SPDX-License-Identifier: Apache-2.0
+"""TRITON_MLA_SPARSE for vLLM 0.32.0: sparse MLA (DeepSeek Sparse Attention, e.g. GLM-5) with
+mlafleet's Triton kernels.
+
+Added by the mlafleet patch set (files/vllm/0.32.0 in the mlafleet repository); where vLLM picks
+it is vllm/v1/attention/backends/mla/mlafleet_selection.py (also added).
+
+What a sparse-MLA backend of vLLM 0.32.0 consists of, and what this one puts there:
+
+- the metadata: vLLM's common sparse-MLA metadata and builder (sparse_mla_attention.py). The
+  builder gets no dense-MHA prefill backend from the layer (the impl says it has none), so every
+  token, prefill and decode alike, reaches `forward_mqa`;
+- the KV cache: [num_blocks, 64, 576] bf16 for an unquantised cache, or DeepSeek's fp8_ds_mla,
+  656 bytes a token (512 float8_e4m3 latent values, four float32 scales, 64 bf16 RoPE values);
+  blocks sit a whole number of rows apart (customize_spec), so the cache reads as flat rows;
+- the attention: the indexer leaves each token's top-k positions (per request, -1 for none) in
+  the shared top-k buffer; vLLM's `triton_convert_req_index_to_global_index` turns them into
+  cache rows through the block table, and mlafleet's `sparse_mla_fwd` / `sparse_mla_fwd_fp8`
+  (shipped as vllm.third_party.mlafleet_kernels.sparse_mla) attend over those rows.
+
+`kv_cache_dtype` "fp8" (and "fp8_e4m3") means fp8_ds_mla here, as for vLLM's own sparse
+backends: the MLA layer converts it before the cache is allocated (patch set, mla-fp8-kv.yml),
+and an impl built with "fp8" directly (vLLM's own backend tests do that) reads fp8_ds_mla.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+
+from vllm.config.cache import CacheDType
+from vllm.model_executor.layers.attention.sparse_mla_attention import (
+    SharedTopkIndicesBuffer,
+    SparseMLACommonMetadata,
+    SparseMLACommonMetadataBuilder,
+)
+from vllm.platforms.interface import DeviceCapability
+from vllm.third_party.mlafleet_kernels.sparse_mla import sparse_mla_fwd, sparse_mla_fwd_fp8
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionLayer,
+    AttentionType,
+    MLAAttentionImpl,
+    MultipleOf,
+)
+from vllm.v1.attention.backends.mla.sparse_utils import (
+    align_blocks_to_rows,
+    flat_kv_row_view,
+    triton_convert_req_index_to_global_index,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+NAME = "TRITON_MLA_SPARSE"
+BLOCK_SIZE = 64  # tokens per KV-cache block
+HEAD_SIZE = 576  # kv_lora_rank 512 + RoPE 64
+LATENT = 512  # the value part of a cached token
+TOPK_MULTIPLE = 128  # vLLM's index conversion takes top-k widths in tiles of 128
+MAJORS = (8, 9, 12)  # compute capabilities the kernels are built and checked for
+
+# kv_cache_dtype -> how the cache holds a token
+BF16_ROWS = "bf16"
+FP8_DS_MLA_ROWS = "fp8_ds_mla"
+CACHE_LAYOUTS: dict[str, str] = {
+    "auto": BF16_ROWS,  # the model's dtype, which the backend requires to be bf16
+    "bfloat16": BF16_ROWS,
+    "fp8_ds_mla": FP8_DS_MLA_ROWS,
+    "fp8": FP8_DS_MLA_ROWS,  # vLLM's canonical spelling of an fp8 cache for sparse MLA
+    "fp8_e4m3": FP8_DS_MLA_ROWS,
+}
+
+
+def cache_layout(kv_cache_dtype: str) -> str:
+    """The cache layout for a kv-cache dtype, or ValueError naming the ones this backend reads."""
+    try:
+        return CACHE_LAYOUTS[kv_cache_dtype]
+    except KeyError:
+        raise ValueError(f"{NAME}: kv-cache dtype {kv_cache_dtype!r} is not supported; use one of "
+                         f"{', '.join(CACHE_LAYOUTS)}") from None
+
+
+def _attend_bf16_rows(q: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
+    # rows [n, 576] bf16 -> the kernel's [n, 1, 576]
+    return sparse_mla_fwd(q, rows.unsqueeze(1), slots, scale, d_v=LATENT)[0]
+
+
+def _attend_fp8_rows(q: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
+    # rows [n, 656] of fp8_ds_mla bytes, whatever dtype the cache was allocated with
+    return sparse_mla_fwd_fp8(q, rows.view(torch.uint8), slots, scale, d_v=LATENT)[0]
+
+
+ATTEND: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
+    BF16_ROWS: _attend_bf16_rows,
+    FP8_DS_MLA_ROWS: _attend_fp8_rows,
+}
+
+
+class TritonMLASparseBackend(AttentionBackend):
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = list(CACHE_LAYOUTS)
+
+    @staticmethod
+    def get_name() -> str:
+        return NAME
+
+    @staticmethod
+    def get_builder_cls() -> type[TritonMLASparseMetadataBuilder]:
+        return TritonMLASparseMetadataBuilder
+
+    @staticmethod
+    def get_impl_cls() -> type[TritonMLASparseImpl]:
+        return TritonMLASparseImpl
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [BLOCK_SIZE]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [HEAD_SIZE]
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        # the kernels index the cache as flat rows: blocks must be whole rows apart
+        return align_blocks_to_rows(spec)
+
+    @classmethod
+    def is_mla(cls) -> bool:
+        return True
+
+    @classmethod
+    def is_sparse(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
+        return capability.major in MAJORS
+
+    @classmethod
+    def supports_combination(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: CacheDType | None,
+                             block_size: int | None, use_mla: bool, has_sink: bool, use_sparse: bool,
+                             use_mm_prefix: bool, device_capability: DeviceCapability) -> str | None:
+        from vllm.config import get_current_vllm_config_or_none
+
+        vllm_config = get_current_vllm_config_or_none()
+        if vllm_config is None:
+            return None
+        if getattr(vllm_config.attention_config, "hisparse_config", None) is not None:
+            return f"{NAME} reads the whole KV cache from the GPU (no HiSparse host offload)"
+        model_config = vllm_config.model_config
+        topk = getattr(model_config.hf_text_config, "index_topk", None) if model_config is not None else None
+        if topk is not None and int(topk) % TOPK_MULTIPLE:
+            return f"{NAME} needs index_topk to be a multiple of {TOPK_MULTIPLE}, got {topk}"
+        return None
+
+
+class TritonMLASparseMetadataBuilder(SparseMLACommonMetadataBuilder[SparseMLACommonMetadata]):
+    """vLLM's sparse-MLA metadata, built for a backend whose every token takes the top-k path.
+
+    The kernels need only the common fields (block table, request of each token, block size);
+    nothing in them depends on the host, so uniform decode batches can be captured in CUDA
+    graphs, speculative tokens included.
+    """
+
+    metadata_cls = SparseMLACommonMetadata
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config, device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+
+
+class TritonMLASparseImpl(MLAAttentionImpl[SparseMLACommonMetadata], SharedTopkIndicesBuffer):
+    is_sparse = True
+    supports_dense_mha_prefill = False  # prefill goes through forward_mqa too
+    supports_pcp = False
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None,
+        attn_type: str,
+        kv_sharing_target_layer_name: str | None,
+        indexer: object | None = None,
+        **mla_args,
+    ) -> None:
+        unsupported = {"alibi_slopes": alibi_slopes, "sliding_window": sliding_window,
+                       "logits_soft_cap": logits_soft_cap}
+        named = sorted(k for k, v in unsupported.items() if v)
+        if named or attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"{NAME} serves decoder self-attention without "
+                                      f"{', '.join(unsupported)}; got {named or attn_type}")
+        if head_size != HEAD_SIZE or mla_args.get("kv_lora_rank", LATENT) != LATENT:
+            raise ValueError(f"{NAME} supports head size {HEAD_SIZE} with kv_lora_rank {LATENT}, got "
+                             f"{head_size} and {mla_args.get('kv_lora_rank')}")
+        # the cache layout first: a dtype the kernels cannot read fails before anything is set
+        self.layout = cache_layout(kv_cache_dtype)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
+        self.scale = float(scale)
+        self.kv_lora_rank = LATENT
+        self.init_topk_indices_buffer(indexer, mla_args.get("topk_indices_buffer"))
+        if self.topk_indices_buffer is None:
+            raise ValueError(f"{NAME} needs the top-k buffer of the model's sparse-attention indexer "
+                             "(a DeepSeek-V3.2 / GLM-5 style model)")
+
+    def record_logical_topk_ready(self) -> None:
+        """The model reports the indexer's top-k as written; this backend reads it in-stream."""
+
+    def _cache_rows(self, topk: torch.Tensor, metadata: SparseMLACommonMetadata, cache: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache as flat rows, and each token's top-k positions as rows of it ([T, 1, k])."""
+        rows, rows_per_block = flat_kv_row_view(cache, metadata.block_size)
+        tokens = topk.shape[0]
+        slots = triton_convert_req_index_to_global_index(
+            metadata.req_id_per_token[:tokens], metadata.block_table, topk,
+            BLOCK_SIZE=metadata.block_size, BLOCK_STRIDE_ROWS=rows_per_block,
+            NUM_TOPK_TOKENS=topk.shape[1])
+        return rows, slots.view(tokens, 1, topk.shape[1])
+
+    def forward_mqa(
+        self,
+        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: SparseMLACommonMetadata,
+        layer: AttentionLayer,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # (latent q [T, H, 512], RoPE q [T, H, 64]) or both in one [T, H, 576]
+        query = q if isinstance(q, torch.Tensor) else torch.cat(q, dim=-1)
+        topk = self.topk_indices_buffer[: query.shape[0]]
+        rows, slots = self._cache_rows(topk, attn_metadata, kv_c_and_k_pe_cache)
+        return ATTEND[self.layout](query, rows, slots, self.scale), None
