@@ -273,13 +273,13 @@ def test_client_metrics_mean_what_vllm_bench_means():
     assert sorted(b["prompt"] for b in again.completions) == sorted(b["prompt"] for b in bodies)
     for r in result["runs"]:
         assert r["output_tokens"] == 4 * 8 and r["input_tokens"] == 4 * 16
-        assert TTFT_S * 1000 <= r["ttft_p50_ms"] < TTFT_S * 1000 + 60
-        assert ITL_S * 1000 * 0.9 <= r["itl_p50_ms"] < ITL_S * 1000 + 15
+        assert TTFT_S * 1000 <= r["ttft_p50_ms"] < TTFT_S * 1000 + 100  # sleeps are lower bounds
+        assert ITL_S * 1000 * 0.9 <= r["itl_p50_ms"] < ITL_S * 1000 + 25
         assert r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["itl_p50_ms"] <= r["itl_p99_ms"]
-        assert ITL_S * 1000 * 0.9 <= r["tpot_p50_ms"] < ITL_S * 1000 + 15
+        assert ITL_S * 1000 * 0.9 <= r["tpot_p50_ms"] < ITL_S * 1000 + 25
         # 4 requests at concurrency 2: two waves of TTFT + 7 ITL each.
         wave = TTFT_S + 7 * ITL_S
-        assert 2 * wave <= r["duration_s"] < 2 * wave + 0.5
+        assert 2 * wave <= r["duration_s"] < 2 * wave + 1.5
         assert r["output_throughput"] == pytest.approx(32 / r["duration_s"], rel=1e-3)
         assert r["request_throughput"] == pytest.approx(4 / r["duration_s"], rel=1e-3)
 
@@ -326,6 +326,9 @@ GATE_PLAY = """
         perf_gate_model: tiny
         perf_gate_workload: {input_len: 16, output_len: 8, num_prompts: 4, concurrency: 2, warmup: 1}
         perf_gate_repeats: 2
+        # ITL p50 only: the fake server's token gaps are fixed, so its median is steady even on a
+        # loaded machine (p99s of 8-request runs are not).
+        perf_gate_thresholds: {itl_p50_ms: 50}
         mlafleet_run_id: "{{ mlafleet_run }}"
 """
 
@@ -362,12 +365,12 @@ def test_role_sets_then_enforces_the_baseline_beside_the_release(tmp_path):
     assert json.loads(kept[0].read_text())["summary"]["itl_p50_ms"]["median"] == pytest.approx(30, abs=15)
     assert "2 runs of workload" in (tmp_path / "runner" / "first" / "artifacts" / "first" / "stdout").read_text()
 
-    # rel-b streams 3x slower tokens: ITL p99 fails the host, naming the metric and rel-a.
+    # rel-b streams 3x slower tokens: ITL p50 fails the host, naming the metric and rel-a.
     with serving(FakeVLLM(itl_s=3 * ITL_S)) as slow:
         second = gate(slow, "second", perf_gate_release="rel-b", perf_gate_baseline_release="rel-a")
         assert second["rc"] != 0
         cause = second["hosts"][0]["cause"]
-        assert "ITL p99 up" in cause and "against release rel-a" in cause, cause
+        assert "ITL p50 up" in cause and "limit 50%" in cause and "against release rel-a" in cause, cause
         assert not (base_dir / "rel-b" / "perf").exists()  # a failed measurement is no baseline
         assert json.loads((reports / "second" / "perf" / "h1.json").read_text())["status"] == "failed"
 
@@ -382,7 +385,7 @@ def test_role_sets_then_enforces_the_baseline_beside_the_release(tmp_path):
     # The HTML report of the failed run, rendered by the callback and again by the runner.
     html = (reports / "second" / "index.html").read_text()
     assert "rollout report: " + str(reports / "second" / "index.html") in second["_out"]
-    assert "h1" in html and "ITL p99" in html and "regressed" in html and "rel-a" in html
+    assert "h1" in html and "ITL p50 <span" in html and "regressed" in html and "rel-a" in html
     assert json.loads((reports / "second" / "timeline.json").read_text())["hosts"]["h1"]
 
     # Turned off (per group in real inventories): nothing is measured or written.
