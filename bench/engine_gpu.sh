@@ -14,6 +14,10 @@
 #   bench/engine_gpu.sh control OUT_DIR    vLLM's own path with prefill chunks of 2048 tokens (compare
 #                                          with the single/heads8 references: vLLM's self-difference)
 #   bench/engine_gpu.sh tp2 OUT_DIR        tensor parallel 2 over GPUs 0,1 (32 heads per rank)
+#   bench/engine_gpu.sh vllm-tests OUT_DIR vLLM's own tests/v1/attention/test_sparse_mla_backends.py
+#                                          (0.20.2 sdist) with TRITON_MLA_SPARSE added to its backends
+#                                          (bench/vllm_sparse_mla_plugin.py), on the patched install
+#   (setup PARTS_DIR --no-models skips the tiny GLM-5, which only the engine phases need)
 #
 # Every run writes /tmp/e2e/results/<name>.json (bench/engine_e2e.py) and <name>.log; the phase
 # ends with OUT_DIR/<phase>.md (the comparison) and OUT_DIR/<phase>-results.tar.gz (all of it).
@@ -43,6 +47,8 @@ setup() {
     ANSIBLE_NOCOLOR=1 python3 "$work/ansible/bin/ansible-playbook" -i localhost, bench/engine_patch.yml \
     -e engine_venv="$venv" -e ansible_python_interpreter="$(command -v python3)" -v | tail -25
   "$venv/bin/python" -c "import vllm, torch; from vllm.v1.attention.backends.registry import AttentionBackendEnum as E; print('vllm', vllm.__version__, 'torch', torch.__version__, E.TRITON_MLA_SPARSE.get_path())"
+  mkdir -p "$work/vllm-tests" && xz -d -T0 < "$work/bundle/vllm-tests.tar.xz" | tar -C "$work/vllm-tests" -xf -
+  [ "${2:-}" = --no-models ] && return
   echo "== tiny GLM-5"
   PYTHONPATH=$PWD "$venv/bin/python" - "$models" <<'PY'
 import json, sys, time
@@ -87,7 +93,12 @@ finish() {
 m=$models/tiny-glm5 m8=$models/tiny-glm5-8heads
 ref="--backend FLASHMLA_SPARSE --indexer deepgemm" ours="--backend TRITON_MLA_SPARSE --indexer fallback"
 case ${1:-} in
-  setup) setup "$2" ;;
+  setup) setup "$2" "${3:-}" ;;
+  vllm-tests)
+    # the whole file: vLLM's own backends as they run on this GPU, and ours added
+    (cd "$work/vllm-tests" && PYTHONPATH="$OLDPWD/bench" timeout 560 "$venv/bin/python" -m pytest \
+       -p vllm_sparse_mla_plugin -p no:cacheprovider -q -rfE --tb=line --durations=5 --maxfail=25 \
+       tests/v1/attention/test_sparse_mla_backends.py) 2>&1 | tee "$2/vllm-tests-0.20.2.txt" | tail -40 ;;
   single)
     # the two mixed pairs (vLLM's attention with our indexer and the reverse) tell which part a
     # difference comes from
@@ -104,6 +115,10 @@ case ${1:-} in
   graphs)  # vLLM's default mode (torch.compile + CUDA graphs) instead of eager, bf16
     lanes "one refgraphs-bf16 0 --model $m $ref --graphs" "one oursgraphs-bf16 1 --model $m $ours --graphs"
     finish graphs "$2" refgraphs-bf16 oursgraphs-bf16 ;;
+  heads8-graphs-fp8)  # one GPU: 8 heads (GLM-5's rank at TP8), fp8_ds_mla, compiled + CUDA graphs
+    one ref8graphs-fp8 0 --model "$m8" $ref --graphs --kv fp8_ds_mla
+    one ours8graphs-fp8 0 --model "$m8" $ours --graphs --kv fp8_ds_mla
+    finish heads8-graphs-fp8 "$2" ref8graphs-fp8 ours8graphs-fp8 ;;
   graphs-fp8)
     lanes "one refgraphs-fp8 0 --model $m $ref --graphs --kv fp8_ds_mla" "one oursgraphs-fp8 1 --model $m $ours --graphs --kv fp8_ds_mla"
     finish graphs-fp8 "$2" refgraphs-fp8 oursgraphs-fp8 ;;
@@ -120,5 +135,5 @@ case ${1:-} in
       one "${spec%%:*}" 0,1 --model $m --tp 2 ${spec#*:}
     done
     finish tp2 "$2" reftp2-bf16 reftp2-fp8 ourstp2-bf16 ourstp2-fp8 ;;
-  *) echo "usage: $0 setup PARTS_DIR | single|heads8|control|graphs|graphs-fp8|fp8-alias|tp2|tp2-graphs OUT_DIR" >&2; exit 2 ;;
+  *) echo "usage: $0 setup PARTS_DIR [--no-models] | single|heads8|heads8-graphs-fp8|control|graphs|graphs-fp8|fp8-alias|tp2|tp2-graphs|vllm-tests OUT_DIR" >&2; exit 2 ;;
 esac

@@ -13,7 +13,8 @@ For each case (GLM-5: 32 index heads, DeepSeek-V3.2: 64; head dim 128; topk 2048
     cache through a shuffled block table, batch 1 at 100k tokens and batch 64 at 2k-16k;
   - errors: ours and DeepGEMM's against a float64 reference on sampled rows, ours against
     DeepGEMM on every in-range logit; the top-2048 sets chosen from each;
-  - times: CUDA-event medians (triton.testing.do_bench) of ours, DeepGEMM's and the top-k.
+  - times: CUDA-event medians of ours, DeepGEMM's and the top-k (triton.testing.do_bench;
+    decode logits: CUDA-graph replays of 20 calls, where do_bench's launch overhead dominates).
 Inputs are random (never zeros), fresh per case; outputs are poisoned before the checked run.
 """
 
@@ -25,6 +26,7 @@ import time
 
 import torch
 import triton
+from cuda_timing import time_graph
 
 from mlafleet.kernels import indexer as ix
 
@@ -32,6 +34,7 @@ D = 128
 TOPK = 2048
 FP8 = torch.float8_e4m3fn
 DEV = "cuda"
+WARM = False  # --warm: only launch every kernel once (compile caches), no checks or timing
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,6 +51,14 @@ def bench(fn, warmup_ms: int = 100, rep_ms: int = 200) -> float:
     if DEV == "cpu":  # the dry run checks the script, not speed
         return 1.0
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def bench_graph(fn, calls: int = 20, replays: int = 10) -> float:
+    """Median ms per call of `calls` launches captured in one CUDA graph (the decode kernels'
+    tens of microseconds, where do_bench's launch overhead dominates)."""
+    if DEV == "cpu":
+        return 1.0
+    return time_graph([fn] * calls, replays) * 1e3
 
 
 def poison_allocator(shape: tuple[int, int]) -> None:
@@ -98,6 +109,8 @@ def prefill_case(dg, heads: int, req_ctx: list[int], req_q: list[int], gen: torc
     poison_allocator((m, n_keys))
     out, ref_dg = ours(), theirs()
     sync()
+    if WARM:
+        return {"case": f"warm prefill H={heads}"}
     cols = torch.arange(n_keys, device=dev)
     inside = (cols[None] >= ks_t[:, None]) & (cols[None] < ke_t[:, None])
     rows = torch.linspace(0, m - 1, 16, device=dev).long()
@@ -170,6 +183,8 @@ def decode_case(dg, heads: int, lens: list[int], gen: torch.Generator, block_siz
     poison_allocator((b, max_model_len))
     out, ref_dg = ours(), theirs()
     sync()
+    if WARM:
+        return {"case": f"warm decode H={heads}"}
     cols = torch.arange(max_model_len, device=dev)
     inside = cols[None] < ctx
     rows = torch.unique(torch.linspace(0, b - 1, min(b, 8), device=dev).long())
@@ -189,8 +204,8 @@ def decode_case(dg, heads: int, lens: list[int], gen: torch.Generator, block_siz
     res["topk_overlap_ours_vs_dg"] = topk_overlap(idx_ours, idx_dg)
     res["topk_overlap_ours_vs_f64"] = topk_overlap(idx_ours[rows], idx_ref)
     res["topk_overlap_dg_vs_f64"] = topk_overlap(idx_dg[rows], idx_ref)
-    res["ms_ours"] = bench(ours)
-    res["ms_dg"] = bench(theirs)
+    res["ms_ours"] = bench_graph(ours)
+    res["ms_dg"] = bench_graph(theirs)
     res["ms_topk_ours"] = bench(lambda: ix.top_k_per_row(out, None, ends, TOPK))
     res["ms_topk_torch"] = bench(lambda: ix.top_k_per_row_torch(out, None, ends, TOPK))
     res["topk_triton_eq_torch"] = topk_overlap(idx_ours, ix.top_k_per_row_torch(out, None, ends, TOPK))
@@ -228,8 +243,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two small cases")
     parser.add_argument("--sweep", action="store_true", help="then time other tile configurations of ours")
     parser.add_argument("--cpu-dry-run", action="store_true", help="no GPU: check the script (TRITON_INTERPRET=1)")
+    parser.add_argument("--warm", action="store_true", help="launch every kernel once (fills the JIT caches), then exit")
     args = parser.parse_args()
-    global DEV
+    global DEV, WARM
+    WARM = args.warm
     if args.cpu_dry_run:
         DEV, dg = "cpu", ReferenceDeepGemm()
         meta = {"gpu": "none (dry run)"}
@@ -263,8 +280,15 @@ def main() -> None:
         res["wall_s"] = round(time.time() - t, 1)
         results.append(res)
         print(json.dumps(res), flush=True)
+        if WARM:
+            continue
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1)
+    if WARM:
+        if args.sweep:
+            sweep(gen, lens64, results, meta, args.out)
+        print(f"warm: {time.time() - t0:.0f} s")
+        return
     print(f"{'case':44s} {'ours ms':>9s} {'DG ms':>9s} {'ours/DG':>8s} {'topk ms':>8s} {'torch tk':>8s} {'err vs DG':>10s} {'err f64':>9s} {'DG f64':>9s} {'top-k ov':>8s}")
     for r in results:
         if "skipped" in r:
@@ -278,46 +302,62 @@ def main() -> None:
     print(f"total {time.time() - t0:.0f} s")
 
 
-# (rows, BLOCK_N, warps, stages), (warps, stages), top-k splits (None: the default choice)
-PREFILL_VARIANTS = [(64, 64, 4, 2), (128, 64, 8, 2)]
-DECODE_VARIANTS = [(4, 2), (8, 2)]
+# (rows, BLOCK_N, warps, stages, key-major), (warps, stages, key-major), top-k splits (None: the default)
+PREFILL_VARIANTS = [(128, 64, 4, 3, True), (128, 64, 4, 4, True), (128, 128, 8, 3, True), (64, 64, 4, 3, True),
+                    (256, 64, 8, 3, True), (128, 128, 4, 3, True)]
+DECODE_VARIANTS = [(4, 3, False), (4, 2, False), (4, 4, False), (4, 3, True)]
 TOPK_SPLITS = [1, None, 33, 132]
 
 
 def sweep(gen: torch.Generator, lens64: list[int], results: list, meta: dict, out_path: str) -> None:
-    """Our kernels alone under other tile configurations (rows, BLOCK_N, warps, stages), H=64."""
-    m, n, heads = 4096, 65536, 64
-    ks = torch.zeros(m, dtype=torch.int32, device=DEV)
-    ke = torch.arange(n - m + 1, n + 1, dtype=torch.int32, device=DEV)
-    q = (torch.randn((m, heads, D), generator=gen, device=DEV) * 2).to(FP8)
-    k, k_scale = quantize_per_token(torch.randn((n, D), generator=gen, device=DEV))
-    w = torch.randn((m, heads), generator=gen, device=DEV) / heads ** 0.5
-    base = ix.mqa_logits(q, k, k_scale, w, ks, ke)
-    flops = 2.0 * float((ke - ks).sum()) * heads * D
-    saved = (ix.PREFILL_ROWS, ix.PREFILL_BLOCK_N, ix.PREFILL_WARPS, ix.PREFILL_STAGES)
-    for rows, bn, warps, stages in PREFILL_VARIANTS:
-        ix.PREFILL_ROWS, ix.PREFILL_BLOCK_N, ix.PREFILL_WARPS, ix.PREFILL_STAGES = rows, bn, warps, stages
-        try:
-            out = ix.mqa_logits(q, k, k_scale, w, ks, ke)
-            inside = torch.arange(n, device=DEV)[None] < ke[:, None]
-            same = float((out[inside] - base[inside]).abs().max())
-            ms = bench(lambda: ix.mqa_logits(q, k, k_scale, w, ks, ke))
-            r = {"case": f"sweep prefill H=64 65536x4096 rows={rows} bn={bn} w={warps} s={stages}", "ms": ms,
-                 "tflops": flops / ms / 1e9, "max_abs_diff_vs_base": same}
-        except Exception as e:  # a config that does not compile or launch on this GPU
-            r = {"case": f"sweep prefill rows={rows} bn={bn} w={warps} s={stages}", "error": repr(e)[:300]}
-        print(json.dumps(r), flush=True)
-        results.append(r)
-    ix.PREFILL_ROWS, ix.PREFILL_BLOCK_N, ix.PREFILL_WARPS, ix.PREFILL_STAGES = saved
-    res = decode_case_inputs(gen, heads, lens64)
-    saved = (ix.DECODE_WARPS, ix.DECODE_STAGES)
-    for warps, stages in DECODE_VARIANTS:
-        ix.DECODE_WARPS, ix.DECODE_STAGES = warps, stages
-        ms = bench(lambda: ix.paged_mqa_logits(*res))
-        r = {"case": f"sweep decode H=64 B=64 w={warps} s={stages}", "ms": ms}
-        print(json.dumps(r), flush=True)
-        results.append(r)
-    ix.DECODE_WARPS, ix.DECODE_STAGES = saved
+    """Our kernels alone under other tile configurations: prefill (rows, BLOCK_N, warps, stages,
+    key-major) at H=64 and 32, decode (warps, stages, key-major) at H=64, the top-k splits."""
+    m, n = 4096, 65536
+    saved = (ix.PREFILL_ROWS, ix.PREFILL_BLOCK_N, ix.PREFILL_WARPS, ix.PREFILL_STAGES, ix.PREFILL_KEY_MAJOR)
+    for heads in (64, 32):
+        ks = torch.zeros(m, dtype=torch.int32, device=DEV)
+        ke = torch.arange(n - m + 1, n + 1, dtype=torch.int32, device=DEV)
+        q = (torch.randn((m, heads, D), generator=gen, device=DEV) * 2).to(FP8)
+        k, k_scale = quantize_per_token(torch.randn((n, D), generator=gen, device=DEV))
+        w = torch.randn((m, heads), generator=gen, device=DEV) / heads ** 0.5
+        base = ix.mqa_logits_reference(q[::512], k, k_scale, w[::512], ks[::512], ke[::512])
+        flops = 2.0 * float((ke - ks).sum()) * heads * D
+        inside = torch.arange(n, device=DEV)[None] < ke[::512, None]
+        for rows, bn, warps, stages, key_major in PREFILL_VARIANTS:
+            ix.PREFILL_ROWS, ix.PREFILL_BLOCK_N, ix.PREFILL_WARPS, ix.PREFILL_STAGES, ix.PREFILL_KEY_MAJOR = \
+                rows, bn, warps, stages, key_major
+            name = f"sweep prefill H={heads} 65536x4096 rows={rows} bn={bn} w={warps} s={stages} km={int(key_major)}"
+            try:
+                out = ix.mqa_logits(q, k, k_scale, w, ks, ke)
+                if WARM:
+                    continue
+                err = rel_err(out[::512][inside], base[inside])
+                ms = bench(lambda: ix.mqa_logits(q, k, k_scale, w, ks, ke))
+                r = {"case": name, "ms": ms, "tflops": flops / ms / 1e9, "rel_err_vs_f64": err}
+            except Exception as e:  # a config that does not compile or launch on this GPU
+                r = {"case": name, "error": repr(e)[:300]}
+            print(json.dumps(r), flush=True)
+            results.append(r)
+    ix.PREFILL_ROWS, ix.PREFILL_BLOCK_N, ix.PREFILL_WARPS, ix.PREFILL_STAGES, ix.PREFILL_KEY_MAJOR = saved
+    saved = (ix.DECODE_WARPS, ix.DECODE_STAGES, ix.DECODE_KEY_MAJOR)
+    for heads, lens in ((64, lens64), (64, [100000]), (32, lens64)):
+        res = decode_case_inputs(gen, heads, lens)
+        for warps, stages, key_major in DECODE_VARIANTS:
+            ix.DECODE_WARPS, ix.DECODE_STAGES, ix.DECODE_KEY_MAJOR = warps, stages, key_major
+            out = ix.paged_mqa_logits(*res)
+            if WARM:
+                continue
+            ms = bench_graph(lambda: ix.paged_mqa_logits(*res))
+            inside = torch.arange(out.shape[1], device=DEV)[None] < res[3]  # only the context is defined
+            if (warps, stages, key_major) == DECODE_VARIANTS[0]:
+                first = out
+            r = {"case": f"sweep decode H={heads} B={len(lens)} w={warps} s={stages} km={int(key_major)}", "ms": ms,
+                 "max_abs_diff_vs_first": float((out - first)[inside].abs().max())}
+            print(json.dumps(r), flush=True)
+            results.append(r)
+    ix.DECODE_WARPS, ix.DECODE_STAGES, ix.DECODE_KEY_MAJOR = saved
+    if WARM:
+        return
     # top-k (BLOCK, warps) on decode B=1 x 100k, decode B=64 and prefill 4096 x 65536 logits
     one = torch.randn((1, 100096), generator=gen, device=DEV)
     one_end = torch.tensor([100000], dtype=torch.int32, device=DEV)

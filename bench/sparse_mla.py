@@ -1,62 +1,73 @@
-"""Sparse-MLA benchmark on a CUDA GPU: our Triton kernels vs the torch reference vs FlashMLA.
+"""Sparse-MLA benchmark on a CUDA GPU: our Triton kernels (and an earlier version of them) vs FlashMLA.
 
 Run on the H200 test machine (see bench/device_kernels.sh for staging):
 
     PYTHONPATH=.dev/kernels python3 bench/sparse_mla.py --flashmla .dev/kernels --out $OUT
 
 1. Correctness at real sizes: a 2,000,000-slot cache (bf16: 2.3 GB, so byte offsets pass
-   2^31; fp8_ds_mla: 1.3 GB), topk 2048, heads 8/16/64/128, indices over the whole cache
-   (with invalid ones), ours and FlashMLA against the float32 reference.
+   2^31; fp8_ds_mla: 1.3 GB), topk 2048, heads 8/16/32/64/128, indices over the whole cache
+   (with invalid ones), ours (launcher defaults and every config in CONFIGS and CANDIDATES,
+   forced to 1 and 4 splits) and FlashMLA against the float32 reference.
 2. Timing with CUDA events over CUDA-graph replays (no launch gaps), each replay running
-   the call over several index sets so the gathered rows do not sit in L2.
+   the call over enough index sets that 256 MB of rows stream through the 60 MB L2.
    FlashMLA is called as vLLM 0.20.2 calls it: bf16 flash_mla_sparse_fwd with heads padded
    to 64, fp8 flash_mla_with_kvcache with indices and heads padded to 64 (or 128).
+   `--before MODULE` also times another version of the kernels (e.g. the previous commit's
+   sparse_mla.py staged under another module name) on every case, in the same process.
+   `--sweep` times the CANDIDATES configs and split counts beside the launcher's choice.
+3. `--warm I/N`: compile only (share I of N of every launch the timing will make, on a small
+   cache with the same specialisations), so that N processes can fill Triton's cache in
+   parallel before the timing process starts.
 
-Prints a table (ms, GB/s of gathered KV, % of the measured copy bandwidth, TFLOP/s) and
+Prints a table (us, GB/s of gathered KV, % of the measured copy bandwidth, TFLOP/s) and
 writes it with the raw numbers under --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
+from cuda_timing import time_graph
 
 from mlafleet.kernels import sparse_mla as sm
 
 S_KV = 2_000_000
+S_KV_WARM = 64_000  # --warm: same divisibility by 16 as S_KV, so the same compiled kernels
 TOPK = 2048
 SCALE = 1.0 / math.sqrt(256)
 BF16_ROW_BYTES = 576 * 2
 FP8_ROW_BYTES = 656
 L2_FLUSH_BYTES = 256 << 20  # index sets per replay: enough calls to stream past the 60 MB L2
 
-# (cache, s_q, h_q): the issue's targets and FlashMLA's measured points
-CASES = [
-    ("bf16", 1, 8), ("bf16", 1, 16), ("bf16", 1, 64),
-    ("bf16", 8, 8), ("bf16", 8, 16), ("bf16", 8, 64),
-    ("bf16", 64, 16), ("bf16", 64, 64), ("bf16", 256, 64), ("bf16", 4096, 128),
-    ("fp8", 1, 64), ("fp8", 8, 16), ("fp8", 8, 64), ("fp8", 64, 16), ("fp8", 64, 64),
-    ("fp8", 256, 64), ("fp8", 256, 128),
-]
-# --sweep: (cache, s_q, h_q) -> configs x split counts, timed besides the launcher's own
-# choice (each config fits SM120: checked offline with mlafleet.kernels.sm120 before the run)
-_BF16_CANDIDATES = [sm.CONFIGS[("bf16", 16)], sm.KernelConfig(16, 64, 8, 1), sm.KernelConfig(32, 32, 8, 2)]
-SWEEPS = {
-    ("bf16", 64, 16): (_BF16_CANDIDATES, (1, 2, 4, 8)),
-    ("bf16", 64, 64): (_BF16_CANDIDATES, (1, 2, 4)),
-    ("bf16", 256, 64): (_BF16_CANDIDATES, (1, 2)),
-    ("fp8", 8, 64): ([sm.CONFIGS[("fp8", 32)]], (4, 8, 16, 32)),
-    ("fp8", 64, 16): ([sm.CONFIGS[("fp8", 16)]], (1, 2, 3, 4, 5, 8)),
-    ("fp8", 64, 64): ([sm.CONFIGS[("fp8", 32)]], (1, 2, 3)),
+# (s_q, h_q) for both caches: decode at batch 1-8, GLM-5's 8/16/32 heads per GPU (tensor
+# parallel 8/4/2) from decode to prefill, and 64/128 heads (GLM-5 at TP1, DeepSeek-V3.2)
+SHAPES = [(1, 8), (1, 16), (1, 64), (8, 8), (8, 16), (8, 64),
+          (64, 8), (64, 16), (64, 32), (64, 64), (256, 8), (256, 32), (256, 64),
+          (1024, 8), (4096, 8), (4096, 16), (4096, 32), (4096, 128)]
+CASES = [(kind, s_q, h_q) for kind in ("bf16", "fp8") for s_q, h_q in SHAPES] + [("fp8", 256, 128)]
+
+# --sweep: configs timed beside the launcher's choice (each fits SM120: checked offline with
+# mlafleet.kernels.sm120 before a run), by cache dtype, at the launcher's split rule
+K = sm.KernelConfig
+CANDIDATES: dict[str, list[sm.KernelConfig]] = {
+    "bf16": [K(16, 32, 4, 5), K(16, 64, 8, 2)],
+    "fp8": [K(16, 32, 4, 5, scale_logits=False), K(16, 32, 4, 5)],
 }
+# --sweep: split counts for every candidate at these (s_q, h_q)
+SPLIT_SWEEP = {(8, 8): (16, 32), (8, 64): (4, 8), (64, 32): (1, 2), (64, 64): (1, 2)}
+
+
+def cfg_name(cfg: sm.KernelConfig) -> str:
+    extra = (f"r{cfg.maxnreg}" if cfg.maxnreg else "") + ("" if cfg.scale_logits else "k")
+    return f"h{cfg.block_h}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}{extra}"
 
 
 def load_flashmla(root: str | None):
@@ -90,57 +101,17 @@ def copy_bandwidth() -> float:
     return 2 * n / statistics.median(times) / 1e9
 
 
-def make_indices(s_q: int, topk: int, gen: torch.Generator, invalid: bool = False) -> torch.Tensor:
-    idx = torch.randint(0, S_KV, (s_q, 1, topk), device="cuda", dtype=torch.int32, generator=gen)
+def make_indices(s_q: int, topk: int, gen: torch.Generator, s_kv: int = S_KV,
+                 invalid: bool = False) -> torch.Tensor:
+    idx = torch.randint(0, s_kv, (s_q, 1, topk), device="cuda", dtype=torch.int32, generator=gen)
     if invalid:
         idx[:, :, 5::17] = -1
-        idx[:, :, 7::29] = S_KV + 3
-        idx[:, :, 11::13] = torch.randint(S_KV - 50_000, S_KV, idx[:, :, 11::13].shape,
+        idx[:, :, 7::29] = s_kv + 3
+        idx[:, :, 11::13] = torch.randint(s_kv - 50_000, s_kv, idx[:, :, 11::13].shape,
                                           device="cuda", dtype=torch.int32, generator=gen)
         if s_q > 1:
             idx[-1] = -1  # a row with nothing valid
     return idx
-
-
-def time_graph(calls: list[Callable[[], object]], replays: int = 20) -> float:
-    """Median seconds per call: all calls captured in one CUDA graph, the graph replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls[:2]:
-            fn()  # warm-up: compilation, FlashMLA's scheduler metadata
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / len(calls))
-    del graph
-    return statistics.median(times)
-
-
-def time_eager(fn: Callable[[], object], reps: int = 3) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
 
 
 def flashmla_bf16(fm, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -187,38 +158,51 @@ def row_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float(((out - ref).norm(dim=-1)[keep] / norms[keep]).max()) if keep.any() else 0.0
 
 
-def correctness(fm, kv: torch.Tensor, cache: torch.Tensor, gen: torch.Generator) -> list[dict]:
+def all_configs() -> list[tuple[str, sm.KernelConfig]]:
+    seen, out = set(), []
+    for (dtype, _), cfg in sm.CONFIGS.items():
+        if (dtype, cfg) not in seen:
+            seen.add((dtype, cfg))
+            out.append((dtype, cfg))
+    for dtype, cfgs in CANDIDATES.items():
+        for cfg in cfgs:
+            if (dtype, cfg) not in seen:
+                seen.add((dtype, cfg))
+                out.append((dtype, cfg))
+    return out
+
+
+def correctness(fm, before, kv: torch.Tensor, cache: torch.Tensor, gen: torch.Generator) -> list[dict]:
     rows = []
-    for h_q in (8, 16, 64, 128):
+
+    def record(cache_kind, h_q, impl, out, lse, ref, ref_lse):
+        empty = torch.isposinf(ref_lse)
+        rows.append({"cache": cache_kind, "h_q": h_q, "impl": impl, "err": row_error(out, ref),
+                     "lse_err": float((lse[~empty] - ref_lse[~empty]).abs().max()),
+                     "empty_ok": bool(torch.isposinf(lse[empty]).all() and (out[empty] == 0).all())})
+
+    for h_q in (8, 16, 32, 64, 128):
         q = torch.randn(4, h_q, 576, device="cuda", generator=gen).bfloat16()
         idx = make_indices(4, TOPK, gen, invalid=True)
         assert int(idx.max()) * BF16_ROW_BYTES > 2**31  # rows past 2^31 bytes are read
         ref, ref_lse = sm.reference_sparse_mla(q, kv, idx, SCALE)
-        for name, splits in (("auto", None), ("unsplit", 1), ("split 16", 16)):
-            out, lse = sm.sparse_mla_fwd(q, kv, idx, SCALE, num_splits=splits)
-            empty = torch.isposinf(ref_lse)
-            rows.append({"cache": "bf16", "h_q": h_q, "impl": f"ours ({name})", "err": row_error(out, ref),
-                         "lse_err": float((lse[~empty] - ref_lse[~empty]).abs().max()),
-                         "empty_ok": bool(torch.isposinf(lse[empty]).all() and (out[empty] == 0).all())})
         ref8, ref8_lse = sm.reference_sparse_mla_fp8(q, cache, idx, SCALE)
-        out8, lse8 = sm.sparse_mla_fwd_fp8(q, cache, idx, SCALE)
-        empty = torch.isposinf(ref8_lse)
-        rows.append({"cache": "fp8", "h_q": h_q, "impl": "ours (auto)", "err": row_error(out8, ref8),
-                     "lse_err": float((lse8[~empty] - ref8_lse[~empty]).abs().max()),
-                     "empty_ok": bool(torch.isposinf(lse8[empty]).all() and (out8[empty] == 0).all())})
-        # every config the launcher can choose, forced (some are chosen only for s_q >= 32)
-        empty = torch.isposinf(ref_lse)
-        for (dtype, block_h), cfg in sm.CONFIGS.items():
+        for name, splits in (("auto", None), ("unsplit", 1), ("split 16", 16)):
+            record("bf16", h_q, f"ours ({name})", *sm.sparse_mla_fwd(q, kv, idx, SCALE, num_splits=splits),
+                   ref, ref_lse)
+            record("fp8", h_q, f"ours ({name})", *sm.sparse_mla_fwd_fp8(q, cache, idx, SCALE, num_splits=splits),
+                   ref8, ref8_lse)
+        for dtype, cfg in all_configs():  # every config, forced (some are chosen only at large s_q)
             for splits in (1, 4):
                 if dtype == "bf16":
                     o, l = sm.sparse_mla_fwd(q, kv, idx, SCALE, num_splits=splits, config=cfg)
-                    r, rl = ref, ref_lse
+                    record(dtype, h_q, f"ours ({cfg_name(cfg)}, {splits} splits)", o, l, ref, ref_lse)
                 else:
                     o, l = sm.sparse_mla_fwd_fp8(q, cache, idx, SCALE, num_splits=splits, config=cfg)
-                    r, rl = ref8, ref8_lse
-                rows.append({"cache": dtype, "h_q": h_q, "impl": f"ours (h{block_h}, {splits} splits)",
-                             "err": row_error(o, r), "lse_err": float((l[~empty] - rl[~empty]).abs().max()),
-                             "empty_ok": bool(torch.isposinf(l[empty]).all() and (o[empty] == 0).all())})
+                    record(dtype, h_q, f"ours ({cfg_name(cfg)}, {splits} splits)", o, l, ref8, ref8_lse)
+        if before is not None:
+            record("bf16", h_q, "before", *before.sparse_mla_fwd(q, kv, idx, SCALE), ref, ref_lse)
+            record("fp8", h_q, "before", *before.sparse_mla_fwd_fp8(q, cache, idx, SCALE), ref8, ref8_lse)
         if fm is not None:
             # rows 0-2 (FlashMLA's no-valid-index row is not our contract); its fp8 decode
             # takes only -1 as invalid, so out-of-range slots become -1 for it
@@ -230,63 +214,88 @@ def correctness(fm, kv: torch.Tensor, cache: torch.Tensor, gen: torch.Generator)
     return rows
 
 
-def bench_case(fm, kind: str, s_q: int, h_q: int, kv: torch.Tensor, cache: torch.Tensor,
-               gen: torch.Generator, copy_bw: float, with_ref: bool) -> dict:
+def launches(before) -> list[tuple[str, str, int, int, sm.KernelConfig | None, int | None]]:
+    """Every (impl, cache, s_q, h_q, config, splits) the timing makes: impl 'ours', 'before'."""
+    out = []
+    for kind, s_q, h_q in CASES:
+        out.append(("ours", kind, s_q, h_q, None, None))
+        if before is not None:
+            out.append(("before", kind, s_q, h_q, None, None))
+    for kind, s_q, h_q in CASES:
+        for cfg in CANDIDATES[kind]:
+            out.append(("ours", kind, s_q, h_q, cfg, None))
+            for splits in SPLIT_SWEEP.get((s_q, h_q), ()):
+                out.append(("ours", kind, s_q, h_q, cfg, splits))
+    return out
+
+
+def caller(impl_mod, kind: str, src: torch.Tensor, cfg, splits):
+    if kind == "bf16":
+        if cfg is None and splits is None:
+            return lambda q, i: impl_mod.sparse_mla_fwd(q, src, i, SCALE)
+        return lambda q, i: impl_mod.sparse_mla_fwd(q, src, i, SCALE, num_splits=splits, config=cfg)
+    if cfg is None and splits is None:
+        return lambda q, i: impl_mod.sparse_mla_fwd_fp8(q, src, i, SCALE)
+    return lambda q, i: impl_mod.sparse_mla_fwd_fp8(q, src, i, SCALE, num_splits=splits, config=cfg)
+
+
+def warm(shard: int, n_shards: int, before) -> None:
+    """Compile this shard's launches on a small cache (same specialisations as the timing)."""
+    gen = torch.Generator(device="cuda").manual_seed(shard)
+    kv = torch.randn(S_KV_WARM, 1, 576, device="cuda", generator=gen).bfloat16()
+    cache = sm.quantize_fp8_ds_mla(kv.view(S_KV_WARM, 576)).view(S_KV_WARM // 64, 64, 656)
+    todo = launches(before)[shard::n_shards]
+    for impl, kind, s_q, h_q, cfg, splits in todo:
+        mod = sm if impl == "ours" else before
+        fn = caller(mod, kind, kv if kind == "bf16" else cache, cfg, splits)
+        q = torch.randn(s_q, h_q, 576, device="cuda", generator=gen).bfloat16()
+        fn(q, make_indices(s_q, TOPK, gen, s_kv=S_KV_WARM))
+    torch.cuda.synchronize()
+    print(f"warm {shard}/{n_shards}: {len(todo)} launches", flush=True)
+
+
+def bench_case(fm, before, kind: str, s_q: int, h_q: int, kv: torch.Tensor, cache: torch.Tensor,
+               gen: torch.Generator, copy_bw: float, sweep: bool) -> dict:
     row_bytes = BF16_ROW_BYTES if kind == "bf16" else FP8_ROW_BYTES
     gathered = s_q * TOPK * row_bytes
     n_sets = max(1, min(64, math.ceil(L2_FLUSH_BYTES / gathered)))
     qs = [torch.randn(s_q, h_q, 576, device="cuda", generator=gen).bfloat16() for _ in range(n_sets)]
     idxs = [make_indices(s_q, TOPK, gen) for _ in range(n_sets)]
-    flops = 2 * s_q * h_q * TOPK * (576 + 512)
-    result = {"cache": kind, "s_q": s_q, "h_q": h_q, "gathered_MB": gathered / 1e6, "sets": n_sets}
+    src = kv if kind == "bf16" else cache
+    result = {"cache": kind, "s_q": s_q, "h_q": h_q, "gathered_MB": gathered / 1e6, "sets": n_sets,
+              "flops": 2 * s_q * h_q * TOPK * (576 + 512)}
 
-    if kind == "bf16":
-        ours = [lambda q=q, i=i: sm.sparse_mla_fwd(q, kv, i, SCALE) for q, i in zip(qs, idxs)]
-    else:
-        ours = [lambda q=q, i=i: sm.sparse_mla_fwd_fp8(q, cache, i, SCALE) for q, i in zip(qs, idxs)]
-    result["ours_s"] = time_graph(ours)
+    def timed(fn, replays=20):
+        return time_graph([lambda q=q, i=i: fn(q, i) for q, i in zip(qs, idxs)], replays)
+
+    ours = caller(sm, kind, src, None, None)
+    result["ours_s"] = timed(ours)
+    cfg = sm.choose_config(h_q, kind == "fp8")
+    result["ours_config"] = cfg_name(cfg)
+    if before is not None:
+        result["before_s"] = timed(caller(before, kind, src, None, None))
     if fm is not None:
         if kind == "bf16":
-            theirs = [lambda q=q, i=i: flashmla_bf16(fm, q, kv, i) for q, i in zip(qs, idxs)]
+            theirs = lambda q, i: flashmla_bf16(fm, q, kv, i)  # noqa: E731
         else:
             call = FlashMlaFp8(fm, s_q, h_q)
-            theirs = [lambda q=q, i=i: call(q, cache, i) for q, i in zip(qs, idxs)]
-        result["flashmla_s"] = time_graph(theirs)
-        mine = ours[0]()[0]
-        result["ours_vs_flashmla_err"] = row_error(mine, theirs[0]())
-    if with_ref and s_q * h_q * TOPK <= 256 * 128 * TOPK:
-        ref = sm.reference_sparse_mla if kind == "bf16" else sm.reference_sparse_mla_fp8
-        src = kv if kind == "bf16" else cache
-        try:
-            result["ref_s"] = time_eager(lambda: ref(qs[0], src, idxs[0], SCALE))
-        except torch.OutOfMemoryError:
-            result["ref_s"] = None
-        torch.cuda.empty_cache()
-    for key in ("ours", "flashmla", "ref"):
+            theirs = lambda q, i: call(q, cache, i)  # noqa: E731
+        result["flashmla_s"] = timed(theirs)
+        result["ours_vs_flashmla_err"] = row_error(ours(qs[0], idxs[0])[0], theirs(qs[0], idxs[0]))
+    if sweep:
+        result["sweep_us"] = {}
+        for cfg in CANDIDATES[kind]:
+            result["sweep_us"][cfg_name(cfg)] = round(timed(caller(sm, kind, src, cfg, None), 10) * 1e6, 1)
+            for splits in SPLIT_SWEEP.get((s_q, h_q), ()):
+                result["sweep_us"][f"{cfg_name(cfg)}/s{splits}"] = round(
+                    timed(caller(sm, kind, src, cfg, splits), 10) * 1e6, 1)
+    for key in ("ours", "before", "flashmla"):
         t = result.get(f"{key}_s")
         if t:
             result[f"{key}_GBps"] = gathered / t / 1e9
             result[f"{key}_pct_copy"] = 100 * gathered / t / 1e9 / copy_bw
-            result[f"{key}_TFLOPs"] = flops / t / 1e12
+            result[f"{key}_TFLOPs"] = result["flops"] / t / 1e12
     return result
-
-
-def sweep(kind: str, s_q: int, h_q: int, kv: torch.Tensor, cache: torch.Tensor,
-          gen: torch.Generator) -> dict:
-    row_bytes = BF16_ROW_BYTES if kind == "bf16" else FP8_ROW_BYTES
-    n_sets = max(1, min(64, math.ceil(L2_FLUSH_BYTES / (s_q * TOPK * row_bytes))))
-    qs = [torch.randn(s_q, h_q, 576, device="cuda", generator=gen).bfloat16() for _ in range(n_sets)]
-    idxs = [make_indices(s_q, TOPK, gen) for _ in range(n_sets)]
-    fwd, src = (sm.sparse_mla_fwd, kv) if kind == "bf16" else (sm.sparse_mla_fwd_fp8, cache)
-    out = {"cache": kind, "s_q": s_q, "h_q": h_q}
-    configs, split_counts = SWEEPS[(kind, s_q, h_q)]
-    for cfg in configs:
-        for splits in split_counts:
-            calls = [lambda q=q, i=i: fwd(q, src, i, SCALE, num_splits=splits, config=cfg)
-                     for q, i in zip(qs, idxs)]
-            name = f"h{cfg.block_h}n{cfg.block_n}w{cfg.num_warps}st{cfg.num_stages}/s{splits}_us"
-            out[name] = round(time_graph(calls, replays=10) * 1e6, 1)
-    return out
 
 
 def fmt(x: float | None, spec: str) -> str:
@@ -295,17 +304,21 @@ def fmt(x: float | None, spec: str) -> str:
 
 def table(results: list[dict], copy_bw: float) -> str:
     lines = [f"copy bandwidth {copy_bw:.0f} GB/s (read + write)", "",
-             "| cache | s_q x h_q | gathered MB | ours us | ours GB/s | ours % copy | ours TFLOP/s "
-             "| FlashMLA us | FlashMLA % copy | FlashMLA TFLOP/s | ours / FlashMLA | torch ref us |",
+             "| cache | s_q x h_q | before us | ours us | ours config | ours % copy | ours TFLOP/s "
+             "| FlashMLA us | FlashMLA % copy | ours / before | ours / FlashMLA | fp8 / bf16 (ours) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    bf16 = {(r["s_q"], r["h_q"]): r["ours_s"] for r in results if r["cache"] == "bf16"}
     for r in results:
-        ratio = r["ours_s"] / r["flashmla_s"] if r.get("flashmla_s") else None
+        us = lambda k: r.get(k) and r[k] * 1e6  # noqa: E731
+        ratio = lambda a, b: r[a] / r[b] if r.get(a) and r.get(b) else None  # noqa: E731
+        vs_bf16 = (r["ours_s"] / bf16[(r["s_q"], r["h_q"])]
+                   if r["cache"] == "fp8" and (r["s_q"], r["h_q"]) in bf16 else None)
         lines.append(
-            f"| {r['cache']} | {r['s_q']} x {r['h_q']} | {r['gathered_MB']:.1f} | {r['ours_s'] * 1e6:.1f} "
-            f"| {r['ours_GBps']:.0f} | {r['ours_pct_copy']:.0f}% | {r['ours_TFLOPs']:.1f} "
-            f"| {fmt(r.get('flashmla_s') and r['flashmla_s'] * 1e6, '.1f')} "
-            f"| {fmt(r.get('flashmla_pct_copy'), '.0f')}% | {fmt(r.get('flashmla_TFLOPs'), '.1f')} "
-            f"| {fmt(ratio, '.2f')} | {fmt(r.get('ref_s') and r['ref_s'] * 1e6, '.0f')} |")
+            f"| {r['cache']} | {r['s_q']} x {r['h_q']} | {fmt(us('before_s'), '.1f')} | {r['ours_s'] * 1e6:.1f} "
+            f"| {r['ours_config']} | {r['ours_pct_copy']:.0f}% | {r['ours_TFLOPs']:.0f} "
+            f"| {fmt(us('flashmla_s'), '.1f')} | {fmt(r.get('flashmla_pct_copy'), '.0f')}% "
+            f"| {fmt(ratio('ours_s', 'before_s'), '.2f')} | {fmt(ratio('ours_s', 'flashmla_s'), '.2f')} "
+            f"| {fmt(vs_bf16, '.2f')} |")
     return "\n".join(lines)
 
 
@@ -313,10 +326,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--flashmla", help="folder holding vllm/_flashmla_C.abi3.so and "
                                            "vllm/third_party/flashmla/flash_mla_interface.py")
+    parser.add_argument("--before", help="module name of another version of sparse_mla to time too")
     parser.add_argument("--out", type=Path, help="folder for sparse_mla.json and sparse_mla.md")
-    parser.add_argument("--sweep", action="store_true", help="also time every config x split count")
-    parser.add_argument("--no-ref", action="store_true", help="skip timing the torch reference")
+    parser.add_argument("--sweep", action="store_true", help="also time CANDIDATES and split counts")
+    parser.add_argument("--warm", help="I/N: compile share I of N of the launches, then exit")
     args = parser.parse_args()
+    before = importlib.import_module(args.before) if args.before else None
+    if args.warm:
+        shard, n = (int(x) for x in args.warm.split("/"))
+        warm(shard, n, before)
+        return
 
     started = time.time()
     props = torch.cuda.get_device_properties(0)
@@ -332,32 +351,31 @@ def main() -> None:
     print(f"caches: bf16 {kv.numel() * 2 / 1e9:.2f} GB, fp8 {cache.numel() / 1e9:.2f} GB "
           f"({time.time() - started:.0f} s)", flush=True)
 
-    checks = correctness(fm, kv, cache, gen)
+    checks = correctness(fm, before, kv, cache, gen)
     for c in checks:
         print("check", json.dumps(c), flush=True)
     ok = all(c["err"] < 2e-2 and c.get("lse_err", 0) < 1e-2 and c.get("empty_ok", True)
              for c in checks if c["impl"].startswith("ours"))
-    print(f"correctness: {'PASS' if ok else 'FAIL'} ({time.time() - started:.0f} s)", flush=True)
+    worst = max((c["err"] for c in checks if c["impl"].startswith("ours")), default=float("nan"))
+    print(f"correctness: {'PASS' if ok else 'FAIL'}, worst row error {worst:.2e} "
+          f"({time.time() - started:.0f} s)", flush=True)
 
     results = []
     for kind, s_q, h_q in CASES:
-        r = bench_case(fm, kind, s_q, h_q, kv, cache, gen, copy_bw, with_ref=not args.no_ref)
+        r = bench_case(fm, before, kind, s_q, h_q, kv, cache, gen, copy_bw, args.sweep)
         results.append(r)
         print("case", json.dumps(r), flush=True)
-    sweeps = [sweep(*c, kv, cache, gen) for c in SWEEPS] if args.sweep else []
-    for s in sweeps:
-        print("sweep", json.dumps(s), flush=True)
 
     text = table(results, copy_bw)
     header = (f"{props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
+              f"triton {__import__('triton').__version__}, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, topk {TOPK}, "
-              f"{S_KV} slots, correctness {'PASS' if ok else 'FAIL'}")
+              f"{S_KV} slots, correctness {'PASS' if ok else 'FAIL'} (worst row error {worst:.2e})")
     print("\n" + header + "\n" + text, flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "sparse_mla.json").write_text(json.dumps(
-            {"header": header, "copy_GBps": copy_bw, "checks": checks, "results": results,
-             "sweeps": sweeps}, indent=1))
+            {"header": header, "copy_GBps": copy_bw, "checks": checks, "results": results}, indent=1))
         (args.out / "sparse_mla.md").write_text(header + "\n\n" + text + "\n")
     print(f"done in {time.time() - started:.0f} s")
 

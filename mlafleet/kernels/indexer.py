@@ -45,15 +45,18 @@ import triton.language as tl
 FP8 = torch.float8_e4m3fn
 NEG_INF = float("-inf")
 
-# Tile sizes. Shared memory for the prefill kernel: a [ROWS, D] fp8 query tile, two stages
-# of a [BLOCK_N, D] fp8 key tile, plus the layout conversion of the head reduction; the
-# sm_120 resource test in tests/kernels/ checks every config below 101376 bytes.
+# Tile sizes, from H200 sweeps (docs/perf-indexer.md). Shared memory for the prefill kernel:
+# a [ROWS, D] fp8 query tile and num_stages - 1 buffers of a [BLOCK_N, D] fp8 key tile (the
+# loads are pipelined); the sm_120 resource test in tests/kernels/ checks every config below
+# 101376 bytes. Both logits kernels score key-major (KEY_MAJOR in _mqa_logits_kernel).
 PREFILL_BLOCK_N = 64
-PREFILL_ROWS = 128  # query tokens per program * padded heads (at least one token)
+PREFILL_ROWS = 256  # query tokens per program * padded heads (at least one token)
 PREFILL_WARPS = 8
-PREFILL_STAGES = 2
+PREFILL_STAGES = 3
+PREFILL_KEY_MAJOR = True  # the score tile's orientation (see _mqa_logits_kernel)
 DECODE_WARPS = 4
-DECODE_STAGES = 2
+DECODE_STAGES = 3
+DECODE_KEY_MAJOR = True
 
 
 @functools.cache
@@ -67,6 +70,23 @@ def _default_splits(device: torch.device, programs: int, blocks: int) -> int:
         return max(1, min(blocks, 2))
     target = 4 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     return max(1, min(blocks, triton.cdiv(target, max(programs, 1))))
+
+
+# On SM12x the prefill logits kernel runs one program per SM (its 56 KB of shared memory), so it
+# may use every register: `.maxnreg`, without which ptxas 13.1 (Triton 3.7's) caps it at an
+# occupancy step it cannot reach anyway and spills. Elsewhere ptxas keeps its own choice.
+SM12X_MAXNREG = 255
+
+
+@functools.cache
+def _maxnreg(device_index: int) -> int | None:
+    return SM12X_MAXNREG if torch.cuda.get_device_capability(device_index)[0] == 12 else None
+
+
+def _launch_maxnreg(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    return _maxnreg(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
@@ -118,8 +138,11 @@ def _mqa_logits_kernel(
     stride_scale,
     SPLIT,
     BLOCK_M: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    CLEAN: tl.constexpr,
+    CLEAN: tl.constexpr, KEY_MAJOR: tl.constexpr,
 ):
+    # KEY_MAJOR: the score tile is [BLOCK_N keys, rows] (keys along the MMA's M, the query rows
+    # along its N), so the sum over a token's heads runs inside each thread and its lane quad
+    # instead of across warps through shared memory. Otherwise [rows, BLOCK_N keys].
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     ROWS: tl.constexpr = BLOCK_M * HP
@@ -143,32 +166,55 @@ def _mqa_logits_kernel(
     lo = tl.min(tl.where(m_ok & (ks < ke), ks, N), axis=0)
     hi = tl.max(tl.where(m_ok & (ks < ke), ke, 0), axis=0)
 
-    num_blocks = tl.cdiv(N, BLOCK_N)
-    if not CLEAN:
-        num_blocks = tl.cdiv(hi, BLOCK_N)
-    out_rows = out_ptr + m.to(tl.int64)[:, None] * stride_om
-    for blk in range(pid_s, num_blocks, SPLIT):
+    # Only the key blocks inside [lo, hi) are scored, in a loop without branches around the
+    # loads (Triton pipelines only those); with CLEAN the blocks outside get -inf after it.
+    blk_lo = lo // BLOCK_N
+    blk_hi = tl.where(lo < hi, tl.cdiv(hi, BLOCK_N), blk_lo)
+    if KEY_MAJOR:
+        qt = tl.trans(q)  # [D, ROWS]: the dot's second operand
+        out_tile = out_ptr + m.to(tl.int64)[None, :] * stride_om  # [1, BLOCK_M]
+    else:
+        out_tile = out_ptr + m.to(tl.int64)[:, None] * stride_om  # [BLOCK_M, 1]
+    for blk in range(blk_lo + pid_s, blk_hi, SPLIT):
         n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
-        inside = (n[None, :] >= ks[:, None]) & (n[None, :] < ke[:, None])
-        dest = out_rows + n.to(tl.int64)[None, :] * stride_on
-        if (blk * BLOCK_N < hi) & (blk * BLOCK_N + BLOCK_N > lo):
-            kt = tl.load(k_ptr + n.to(tl.int64)[:, None] * stride_kn + d[None, :] * stride_kd,
-                         mask=n_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(kt), out_dtype=tl.float32)          # [ROWS, BLOCK_N]
+        kt = tl.load(k_ptr + n.to(tl.int64)[:, None] * stride_kn + d[None, :] * stride_kd,
+                     mask=n_ok[:, None], other=0.0)
+        ksc = tl.load(scale_ptr + n.to(tl.int64) * stride_scale, mask=n_ok, other=0.0)
+        if KEY_MAJOR:
+            s = tl.dot(kt, qt, out_dtype=tl.float32)                       # [BLOCK_N, ROWS]
+            s = tl.maximum(s, 0.0) * w[None, :]
+            logit = tl.sum(tl.reshape(s, (BLOCK_N, BLOCK_M, HP)), axis=2)  # [BLOCK_N, BLOCK_M]
+            logit = logit * ksc[:, None]
+            inside = (n[:, None] >= ks[None, :]) & (n[:, None] < ke[None, :])
+            dest = out_tile + n.to(tl.int64)[:, None] * stride_on
+            writable = n_ok[:, None] & m_ok[None, :]
+        else:
+            s = tl.dot(q, tl.trans(kt), out_dtype=tl.float32)              # [ROWS, BLOCK_N]
             s = tl.maximum(s, 0.0) * w[:, None]
             logit = tl.sum(tl.reshape(s, (BLOCK_M, HP, BLOCK_N)), axis=1)  # [BLOCK_M, BLOCK_N]
-            ksc = tl.load(scale_ptr + n.to(tl.int64) * stride_scale, mask=n_ok, other=0.0)
             logit = logit * ksc[None, :]
-            if CLEAN:
-                tl.store(dest, tl.where(inside, logit, float("-inf")),
-                         mask=m_ok[:, None] & n_ok[None, :])
-            else:
-                tl.store(dest, logit, mask=m_ok[:, None] & inside)
+            inside = (n[None, :] >= ks[:, None]) & (n[None, :] < ke[:, None])
+            dest = out_tile + n.to(tl.int64)[None, :] * stride_on
+            writable = m_ok[:, None] & n_ok[None, :]
+        if CLEAN:
+            tl.store(dest, tl.where(inside, logit, float("-inf")), mask=writable)
         else:
-            if CLEAN:
-                tl.store(dest, tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32),
-                         mask=m_ok[:, None] & n_ok[None, :])
+            tl.store(dest, logit, mask=writable & inside)
+    if CLEAN:
+        num_blocks = tl.cdiv(N, BLOCK_N)
+        for blk in range(pid_s, num_blocks, SPLIT):
+            if (blk < blk_lo) | (blk >= blk_hi):
+                n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+                n_ok = n < N
+                if KEY_MAJOR:
+                    tl.store(out_tile + n.to(tl.int64)[:, None] * stride_on,
+                             tl.full((BLOCK_N, BLOCK_M), float("-inf"), tl.float32),
+                             mask=n_ok[:, None] & m_ok[None, :])
+                else:
+                    tl.store(out_tile + n.to(tl.int64)[None, :] * stride_on,
+                             tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32),
+                             mask=m_ok[:, None] & n_ok[None, :])
 
 
 def _prefill_block_m(h_padded: int) -> int:
@@ -220,8 +266,8 @@ def mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, weights:
         k_scale.stride(0),
         splits,
         BLOCK_M=block_m, HP=hp, D=D, BLOCK_N=PREFILL_BLOCK_N,
-        CLEAN=clean_logits,
-        num_warps=PREFILL_WARPS, num_stages=PREFILL_STAGES,
+        CLEAN=clean_logits, KEY_MAJOR=PREFILL_KEY_MAJOR,
+        num_warps=PREFILL_WARPS, num_stages=PREFILL_STAGES, maxnreg=_launch_maxnreg(q.device),
     )
     return logits
 
@@ -286,8 +332,9 @@ def _paged_mqa_logits_kernel(
     stride_om,
     SPLIT,
     NP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    CTX_2D: tl.constexpr, CLEAN: tl.constexpr,
+    CTX_2D: tl.constexpr, CLEAN: tl.constexpr, KEY_MAJOR: tl.constexpr,
 ):
+    # KEY_MAJOR as in _mqa_logits_kernel: a [BLOCK_SIZE keys, rows] score tile
     b = tl.program_id(0)
     pid_s = tl.program_id(1)
     ROWS: tl.constexpr = NP * HP
@@ -312,31 +359,48 @@ def _paged_mqa_logits_kernel(
     ctx = tl.minimum(tl.where(j_ok, ctx, 0), MAX_LEN)
     max_ctx = tl.max(ctx, axis=0)
 
-    num_blocks = tl.cdiv(MAX_LEN, BLOCK_SIZE)
-    if not CLEAN:
-        num_blocks = tl.cdiv(max_ctx, BLOCK_SIZE)
-    out_rows = out_ptr + (b.to(tl.int64) * NEXT_N + j)[:, None] * stride_om
+    # The cache blocks below max_ctx in a loop without branches around the loads (Triton
+    # pipelines only those); with CLEAN the rest of each row gets -inf after it.
+    num_blocks = tl.cdiv(max_ctx, BLOCK_SIZE)
     pos = tl.arange(0, BLOCK_SIZE)
+    if KEY_MAJOR:
+        qt = tl.trans(q)
+        out_tile = out_ptr + (b.to(tl.int64) * NEXT_N + j)[None, :] * stride_om  # [1, NP]
+    else:
+        out_tile = out_ptr + (b.to(tl.int64) * NEXT_N + j)[:, None] * stride_om  # [NP, 1]
     for blk in range(pid_s, num_blocks, SPLIT):
         n = blk * BLOCK_SIZE + pos
-        dest = out_rows + n[None, :]
-        inside = n[None, :] < ctx[:, None]
-        if blk * BLOCK_SIZE < max_ctx:
-            phys = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + blk).to(tl.int64)
-            kt = tl.load(values_ptr + phys * stride_vblk + pos[:, None] * D + d[None, :])
-            s = tl.dot(q, tl.trans(kt), out_dtype=tl.float32)           # [ROWS, BLOCK_SIZE]
-            s = tl.maximum(s, 0.0) * w[:, None]
-            logit = tl.sum(tl.reshape(s, (NP, HP, BLOCK_SIZE)), axis=1)  # [NP, BLOCK_SIZE]
-            ksc = tl.load(scales_ptr + phys * stride_sblk + SCALE_OFF + pos)
-            logit = logit * ksc[None, :]
-            if CLEAN:
-                tl.store(dest, tl.where(inside, logit, float("-inf")),
-                         mask=j_ok[:, None] & (n[None, :] < MAX_LEN))
-            else:
-                tl.store(dest, logit, mask=j_ok[:, None] & inside)
+        phys = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + blk).to(tl.int64)
+        kt = tl.load(values_ptr + phys * stride_vblk + pos[:, None] * D + d[None, :])
+        ksc = tl.load(scales_ptr + phys * stride_sblk + SCALE_OFF + pos)
+        if KEY_MAJOR:
+            s = tl.dot(kt, qt, out_dtype=tl.float32)                           # [BLOCK_SIZE, ROWS]
+            s = tl.maximum(s, 0.0) * w[None, :]
+            logit = tl.sum(tl.reshape(s, (BLOCK_SIZE, NP, HP)), axis=2)        # [BLOCK_SIZE, NP]
+            logit = logit * ksc[:, None]
+            inside = n[:, None] < ctx[None, :]
+            dest = out_tile + n[:, None]
+            writable = j_ok[None, :] & (n[:, None] < MAX_LEN)
         else:
-            if CLEAN:
-                tl.store(dest, tl.full((NP, BLOCK_SIZE), float("-inf"), tl.float32),
+            s = tl.dot(q, tl.trans(kt), out_dtype=tl.float32)                  # [ROWS, BLOCK_SIZE]
+            s = tl.maximum(s, 0.0) * w[:, None]
+            logit = tl.sum(tl.reshape(s, (NP, HP, BLOCK_SIZE)), axis=1)        # [NP, BLOCK_SIZE]
+            logit = logit * ksc[None, :]
+            inside = n[None, :] < ctx[:, None]
+            dest = out_tile + n[None, :]
+            writable = j_ok[:, None] & (n[None, :] < MAX_LEN)
+        if CLEAN:
+            tl.store(dest, tl.where(inside, logit, float("-inf")), mask=writable)
+        else:
+            tl.store(dest, logit, mask=writable & inside)
+    if CLEAN:
+        for blk in range(num_blocks + pid_s, tl.cdiv(MAX_LEN, BLOCK_SIZE), SPLIT):
+            n = blk * BLOCK_SIZE + pos
+            if KEY_MAJOR:
+                tl.store(out_tile + n[:, None], tl.full((BLOCK_SIZE, NP), float("-inf"), tl.float32),
+                         mask=j_ok[None, :] & (n[:, None] < MAX_LEN))
+            else:
+                tl.store(out_tile + n[None, :], tl.full((NP, BLOCK_SIZE), float("-inf"), tl.float32),
                          mask=j_ok[:, None] & (n[None, :] < MAX_LEN))
 
 
@@ -404,7 +468,7 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
         logits.stride(0),
         splits,
         NP=np_, HP=hp, D=D, BLOCK_SIZE=block_size,
-        CTX_2D=ctx2d, CLEAN=clean_logits,
+        CTX_2D=ctx2d, CLEAN=clean_logits, KEY_MAJOR=DECODE_KEY_MAJOR,
         num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
     )
     return logits

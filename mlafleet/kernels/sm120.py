@@ -64,7 +64,7 @@ _PTXAS_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, 
 
 def compile_for_sm120(fn: Any, signature: dict[str, str], constexprs: dict[str, Any],
                       num_warps: int, num_stages: int, aligned: Iterable[str] = (),
-                      capability: int = SM120_CAPABILITY) -> Sm120Report:
+                      capability: int = SM120_CAPABILITY, maxnreg: int | None = None) -> Sm120Report:
     """Compile `fn` (a @triton.jit function) for sm_120 and report its resources.
 
     signature: the runtime arguments, name -> Triton type ("*bf16", "*u8", "i32", "i64", "fp32").
@@ -72,6 +72,8 @@ def compile_for_sm120(fn: Any, signature: dict[str, str], constexprs: dict[str, 
     aligned: runtime arguments the launcher guarantees divisible by 16 (pointers: 16-byte
     aligned), as Triton's JIT specialises them at launch; this changes vectorisation and so
     the resources.
+    maxnreg: the register limit per thread the launcher passes on SM12x (Triton's `maxnreg`,
+    PTX `.maxnreg`), if any.
 
     Under TRITON_INTERPRET=1 (the CPU test suite) Triton cannot compile in this process, so the
     compilation runs in a child Python without it; `fn` must then be a module-level function.
@@ -93,14 +95,17 @@ def compile_for_sm120(fn: Any, signature: dict[str, str], constexprs: dict[str, 
                          "are not runtime arguments")
 
     if isinstance(fn, InterpretedFunction):
-        return _compile_in_child(fn, signature, constexprs, num_warps, num_stages, aligned, capability)
+        return _compile_in_child(fn, signature, constexprs, num_warps, num_stages, aligned, capability,
+                                 maxnreg)
 
     full_signature = {n: signature.get(n, "constexpr") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     source = triton.compiler.ASTSource(fn=fn, signature=full_signature, constexprs=constexprs,
                                        attrs=attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
     registers, stack, spill_st, spill_ld = _ptxas_usage(compiled.asm["ptx"], capability)
     return Sm120Report(name=fn.__name__, shared_bytes=int(compiled.metadata.shared),
                        registers=registers, spill_store_bytes=spill_st, spill_load_bytes=spill_ld,
@@ -129,18 +134,19 @@ def _ptxas_usage(ptx: str, capability: int) -> tuple[int, int, int, int]:
 
 
 def _compile_in_child(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], num_warps: int,
-                      num_stages: int, aligned: Iterable[str], capability: int) -> Sm120Report:
+                      num_stages: int, aligned: Iterable[str], capability: int,
+                      maxnreg: int | None) -> Sm120Report:
     """compile_for_sm120 in a Python without TRITON_INTERPRET, importing fn's module by name."""
     module, name = fn.fn.__module__, fn.fn.__name__
     request = {"module": module, "name": name, "signature": signature, "constexprs": constexprs,
                "num_warps": num_warps, "num_stages": num_stages, "aligned": sorted(aligned),
-               "capability": capability}
+               "capability": capability, "maxnreg": maxnreg}
     child = ("import importlib, json, sys, dataclasses\n"
              "from mlafleet.kernels.sm120 import compile_for_sm120\n"
              "r = json.loads(sys.stdin.read())\n"
              "fn = getattr(importlib.import_module(r['module']), r['name'])\n"
              "rep = compile_for_sm120(fn, r['signature'], r['constexprs'], r['num_warps'],\n"
-             "                        r['num_stages'], r['aligned'], r['capability'])\n"
+             "                        r['num_stages'], r['aligned'], r['capability'], r['maxnreg'])\n"
              "print('SM120REPORT ' + json.dumps(dataclasses.asdict(rep)))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)

@@ -3,7 +3,9 @@
 The contract is the one of vLLM 0.20.2's FlashMLA sparse calls (DESIGN.md section 4):
 
     q        [s_q, h_q, 576] bf16 (any strides)
-    kv       [s_kv, 1, 576] bf16, or the fp8_ds_mla cache: uint8 [num_blocks, 64, 1, 656]
+    kv       [s_kv, 1, 576] bf16, or the fp8_ds_mla cache: uint8 [num_blocks, 64, 1, 656],
+             or a plain fp8 cache: float8_e4m3fn (or its uint8 bytes) [s_kv, 1, 576] with one
+             float32 scale for the whole cache (x = fp8 * kv_scale; vLLM's `fp8` MLA cache)
     indices  [s_q, 1, topk] int32 global slot ids; -1 or >= s_kv means "no token"
     out      [s_q, h_q, 512] bf16 = softmax(q . K[idx]^T * sm_scale) @ K[idx][:, :512]
     lse      [s_q, h_q] float32, natural log; +inf (and out 0) for a row with no valid index
@@ -13,7 +15,7 @@ float32 scales, one per 128 values (x = fp8 * scale); 528-655: the 64 bf16 RoPE 
 
 This module holds the readable float32 references and the fp8_ds_mla quantiser (the ground
 truth), the Triton kernels with their launcher, and the public entry points
-sparse_mla_fwd / sparse_mla_fwd_fp8. It imports only torch and triton.
+sparse_mla_fwd / sparse_mla_fwd_fp8 / sparse_mla_fwd_fp8_e4m3. It imports only torch and triton.
 
 On a CUDA GPU the kernels are compiled; with TRITON_INTERPRET=1 set before triton is imported
 they run on CPU tensors in Triton's interpreter (the CI tests). Every config the launcher can
@@ -23,6 +25,7 @@ Benchmark against FlashMLA: bench/sparse_mla.py, results in docs/perf-kernels.md
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -127,6 +130,28 @@ def reference_sparse_mla_fp8(q: torch.Tensor, kv_cache: torch.Tensor, indices: t
     return _attend_reference(q, k, valid, sm_scale, d_v)
 
 
+def quantize_fp8_e4m3(kv: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, float]:
+    """A plain fp8 cache of kv [..., 576]: (float8_e4m3fn values x, scale), kv ~ x * scale.
+
+    One scale for the whole cache (vLLM's per-layer k_scale), by default amax / 448."""
+    if scale is None:
+        scale = max(float(kv.float().abs().nan_to_num(0.0).amax()), FP8_AMAX_FLOOR) / FP8_MAX
+    return (kv.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def reference_sparse_mla_fp8_e4m3(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
+                                  sm_scale: float, kv_scale: float,
+                                  d_v: int = D_NOPE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA over a plain fp8 cache [s_kv, 1, 576], in float32 (dequantise, then attend)."""
+    _check_common(q, indices, d_v)
+    kv = kv_cache.view(torch.float8_e4m3fn).reshape(-1, 1, D_QK).float() * float(kv_scale)
+    s_kv = kv.shape[0]
+    idx = indices[:, 0, :].long()
+    valid = (idx >= 0) & (idx < s_kv)
+    k = kv[:, 0, :][idx.clamp(0, max(s_kv - 1, 0))] if s_kv else q.new_zeros(*idx.shape, D_QK)
+    return _attend_reference(q, k, valid, sm_scale, d_v)
+
+
 # --------------------------------------------------------------------------------------
 # input checks (clear errors, before anything is launched)
 # --------------------------------------------------------------------------------------
@@ -190,15 +215,17 @@ def _fp8_rows(kv_cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 # index never reads the cache), computes the logits with tensor-core dots, and keeps an
 # online softmax. With one split it writes the bf16 output and the LSE; with several it
 # writes float32 partial outputs and partial LSEs, and _merge_splits_kernel combines them.
+# The gathers carry no branch around them, so Triton's pipeliner stages them through shared
+# memory with cp.async (num_stages 5: two tiles of keys in flight per program).
 #
 # --------------------------------------------------------------------------------------
 
 @triton.jit
-def _issue_key_loads(row, valid, FP8: tl.constexpr):
-    """Start loading BLOCK_N gathered keys: 4 raw groups of 128 latent values, 4 fp8 scales
-    (1.0 for bf16), the 64 RoPE values. Nothing here uses the loaded values, so the loads stay
-    in flight while the previous tile is computed. row: per key, a pointer to its first byte
-    (fp8_ds_mla) or element (bf16); invalid keys read nothing."""
+def _load_keys(row, valid, FP8: tl.constexpr, ROPE_E4M3: tl.constexpr):
+    """Gather BLOCK_N keys: 4 raw groups of 128 latent values, 4 fp8 scales (1.0 for bf16 and
+    for a plain fp8 cache, whose one scale the kernel applies to the logits and the output),
+    the 64 RoPE values (raw float8_e4m3 bytes for a plain fp8 cache). row: per key, a pointer
+    to its first byte (fp8) or element (bf16); invalid keys read nothing."""
     cols = tl.arange(0, 128)
     d_rope = tl.arange(0, 64)
     m = valid[:, None]
@@ -206,7 +233,13 @@ def _issue_key_loads(row, valid, FP8: tl.constexpr):
     g1 = tl.load(row[:, None] + (128 + cols)[None, :], mask=m, other=0)
     g2 = tl.load(row[:, None] + (256 + cols)[None, :], mask=m, other=0)
     g3 = tl.load(row[:, None] + (384 + cols)[None, :], mask=m, other=0)
-    if FP8:
+    if FP8 and ROPE_E4M3:
+        s0 = tl.full(valid.shape, 1.0, tl.float32)
+        s1 = s0
+        s2 = s0
+        s3 = s0
+        rope = tl.load(row[:, None] + (512 + d_rope)[None, :], mask=m, other=0)
+    elif FP8:
         scales = (row + 512).to(tl.pointer_type(tl.float32))
         s0 = tl.load(scales + 0, mask=valid, other=0.0)
         s1 = tl.load(scales + 1, mask=valid, other=0.0)
@@ -222,14 +255,65 @@ def _issue_key_loads(row, valid, FP8: tl.constexpr):
     return g0, g1, g2, g3, s0, s1, s2, s3, rope
 
 
+# The bit moves of _fp8_bits_as_bf16 for the 4 bytes of $2, into a0 (values 0, 1) and a1 (2, 3):
+# prmt makes each byte b the 16-bit word (sign(b) x 8, b), the shift puts b's bits 6..0 at
+# 10..4 and its sign at 15, the mask clears the rest.
+_FP8_BITS_PTX = tl.constexpr("""
+    .reg .b32 a<2>;
+    prmt.b32 a0, $2, 0, 0x9180;
+    prmt.b32 a1, $2, 0, 0xB3A2;
+    shl.b32 a0, a0, 4;
+    shl.b32 a1, a1, 4;
+    and.b32 a0, a0, 0x87F087F0;
+    and.b32 a1, a1, 0x87F087F0;
+""")
+
+
 @triton.jit
-def _key_group(raw, scale, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """A loaded group as a dot operand. fp8_ds_mla: float8_e4m3 times its group's float32
-    scale, a power of two, so the bf16 product is exact."""
-    if FP8:
-        return (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]).to(DOT_DTYPE)
+def _fp8_bits_as_bf16(raw, DOT_F32: tl.constexpr):
+    """float8_e4m3 bytes (uint8) as bfloat16 values x * 2^-120, exactly, zero and subnormals
+    included: the sign to bit 15, exponent and mantissa to bits 10..4 of a 16-bit word.
+
+    Three integer instructions per two values (float conversions issue at a quarter of the
+    integer rate), run once per key tile before its shared-memory staging. The inline asm is
+    not marked pure on purpose: Triton then neither moves it behind that staging (where it
+    would run once per dot, on byte loads) nor derives 8-bit operand layouts from it. The
+    interpreter runs the same bit moves one element at a time."""
+    if DOT_F32:
+        x = raw.to(tl.uint16)
+        return (((x & 0x7F) << 4) | ((x & 0x80) << 8)).to(tl.bfloat16, bitcast=True).to(tl.float32)
     else:
-        return raw.to(DOT_DTYPE)
+        return tl.inline_asm_elementwise(
+            asm="{" + _FP8_BITS_PTX + "mov.b32 $0, a0;\nmov.b32 $1, a1;\n}",
+            constraints="=r,=r,r", args=[raw], dtype=tl.bfloat16, is_pure=False, pack=4)
+
+
+@triton.jit
+def _fp8_bits_times_bf16(raw, factor, DOT_F32: tl.constexpr):
+    """float8_e4m3 bytes (uint8 [n, 128]) times a bfloat16 factor per row ([n, 128] broadcast):
+    the bit moves of _fp8_bits_as_bf16 (x * 2^-120, exact), then one bfloat16 multiply."""
+    if DOT_F32:
+        return _fp8_bits_as_bf16(raw, DOT_F32) * factor.to(tl.float32)
+    else:
+        return tl.inline_asm_elementwise(
+            asm="{" + _FP8_BITS_PTX + "mul.rn.bf16x2 $0, a0, $3;\nmul.rn.bf16x2 $1, a1, $4;\n}",
+            constraints="=r,=r,r,r,r", args=[raw, factor], dtype=tl.bfloat16, is_pure=False, pack=4)
+
+
+@triton.jit
+def _key_group(raw, scale, FP8: tl.constexpr, SCALE_LOGITS: tl.constexpr, DOT_F32: tl.constexpr):
+    """A loaded group as a dot operand. bf16: as loaded. fp8_ds_mla with SCALE_LOGITS: the
+    float8_e4m3 values times 2^-120 (_fp8_bits_as_bf16), unscaled: the group's scale goes
+    onto the [heads x keys] logits and probabilities instead. Without: x * scale * 2^-60 in
+    bfloat16 (_fp8_bits_times_bf16; q carries the 2^60), exact for power-of-two scales."""
+    if FP8:
+        if SCALE_LOGITS:
+            return _fp8_bits_as_bf16(raw, DOT_F32)
+        else:
+            factor = (scale * 1.152921504606847e18).to(tl.bfloat16)  # scale * 2^60
+            return _fp8_bits_times_bf16(raw, tl.broadcast_to(factor[:, None], raw.shape), DOT_F32)
+    else:
+        return raw.to(tl.float32 if DOT_F32 else tl.bfloat16)
 
 
 @triton.jit
@@ -242,10 +326,12 @@ def _sparse_mla_kernel(
     LSE, stride_lse_tok, stride_lse_split, stride_lse_head,
     h_q, topk, tokens_per_split, n_split, n_head_blocks,
     qk_scale_log2,  # sm_scale * log2(e): the softmax runs in base 2
+    KV_SCALE,  # plain fp8 (ROPE_E4M3): the cache's one float32 scale; unread otherwise
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8: tl.constexpr,  # KV is the fp8_ds_mla byte layout
+    FP8: tl.constexpr,  # KV is bytes: fp8_ds_mla, or with ROPE_E4M3 a plain float8_e4m3 cache
+    ROPE_E4M3: tl.constexpr,  # plain fp8: all 576 values e4m3 (RoPE too), one scale in KV_SCALE
     PARTIAL: tl.constexpr,  # write float32 partials (several splits) instead of the final bf16
-    PREFETCH: tl.constexpr,  # issue the next tile's gathers before this tile's math
+    SCALE_LOGITS: tl.constexpr,  # fp8: scale the logits and probabilities, not the keys
     DOT_F32: tl.constexpr,  # interpreter: bf16 tl.dot is wrong there, so dot in float32
 ):
     # The 512 latent dims are handled as 4 groups of 128 (the fp8 scale groups): 4 key tiles,
@@ -268,6 +354,26 @@ def _sparse_mla_kernel(
     q3 = tl.load(q_base + (384 + d128)[None, :] * stride_q_dim, mask=head_ok[:, None], other=0.0).to(dot_dtype)
     q_rope = tl.load(q_base + (512 + d_rope)[None, :] * stride_q_dim, mask=head_ok[:, None],
                      other=0.0).to(dot_dtype)
+    if FP8:
+        if SCALE_LOGITS:
+            # keys arrive as x * 2^-120 (_key_group): q * 2^100 keeps every product q * x * 2^-20
+            # a normal float32 and is exact in bf16 for |q| < 2^28; 2^20 goes into the scales
+            q0 = q0 * 1.2676506002282294e30
+            q1 = q1 * 1.2676506002282294e30
+            q2 = q2 * 1.2676506002282294e30
+            q3 = q3 * 1.2676506002282294e30
+        else:
+            # keys arrive as x * scale * 2^-60: q * 2^60 (exact in bf16 for |q| < 2^68)
+            q0 = q0 * 1.152921504606847e18
+            q1 = q1 * 1.152921504606847e18
+            q2 = q2 * 1.152921504606847e18
+            q3 = q3 * 1.152921504606847e18
+
+    if ROPE_E4M3:
+        # plain fp8: K = x * kv_scale for every key and dim, so the scale goes once onto the
+        # logits (here) and once onto the output (at the end), and the keys stay x
+        kv_scale = tl.load(KV_SCALE).to(tl.float32)
+        qk_scale_log2 = qk_scale_log2 * kv_scale
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of the logits (base 2)
     l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(logit - m_i)
@@ -276,67 +382,73 @@ def _sparse_mla_kernel(
     acc2 = tl.zeros([BLOCK_H, 128], tl.float32)
     acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
 
-    # PREFETCH: a software pipeline. The indices run two tiles ahead and the key gathers one
-    # tile ahead of the math, so tile i+1's loads are in flight while tile i is computed. It
-    # pays where the loaded bytes must pass through registers anyway (fp8: converted before
-    # the dot) and costs registers and occupancy otherwise (H200: bf16 slower with it).
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, topk)
     idx_base = IDX + tok * stride_idx_tok
-    if PREFETCH:
-        offs = start + tl.arange(0, BLOCK_N)
+    for n0 in range(0, tokens_per_split, BLOCK_N):  # the last split may be shorter: masked
+        offs = start + n0 + tl.arange(0, BLOCK_N)
         idx = tl.load(idx_base + offs * stride_idx_k, mask=offs < end, other=-1)
         valid = (idx >= 0) & (idx < n_slots)
         row = KV + tl.where(valid, idx, 0).to(tl.int64) * stride_kv_tok  # 64-bit: caches pass 2^31 B
-        g0, g1, g2, g3, s0, s1, s2, s3, g_rope = _issue_key_loads(row, valid, FP8)
-        offs_next = offs + BLOCK_N
-        idx_next = tl.load(idx_base + offs_next * stride_idx_k, mask=offs_next < end, other=-1)
-    for n0 in range(0, tokens_per_split, BLOCK_N):  # the last split may be shorter: masked
-        if PREFETCH:
-            valid_next = (idx_next >= 0) & (idx_next < n_slots)
-            row_next = KV + tl.where(valid_next, idx_next, 0).to(tl.int64) * stride_kv_tok
-            n_g0, n_g1, n_g2, n_g3, n_s0, n_s1, n_s2, n_s3, n_rope = _issue_key_loads(row_next, valid_next, FP8)
-            offs_after = start + n0 + 2 * BLOCK_N + tl.arange(0, BLOCK_N)
-            idx_after = tl.load(idx_base + offs_after * stride_idx_k, mask=offs_after < end, other=-1)
-        else:
-            offs = start + n0 + tl.arange(0, BLOCK_N)
-            idx = tl.load(idx_base + offs * stride_idx_k, mask=offs < end, other=-1)
-            valid = (idx >= 0) & (idx < n_slots)
-            row = KV + tl.where(valid, idx, 0).to(tl.int64) * stride_kv_tok  # 64-bit offsets
-            g0, g1, g2, g3, s0, s1, s2, s3, g_rope = _issue_key_loads(row, valid, FP8)
+        g0, g1, g2, g3, s0, s1, s2, s3, g_rope = _load_keys(row, valid, FP8, ROPE_E4M3)
 
-        k0 = _key_group(g0, s0, FP8, dot_dtype)
-        k1 = _key_group(g1, s1, FP8, dot_dtype)
-        k2 = _key_group(g2, s2, FP8, dot_dtype)
-        k3 = _key_group(g3, s3, FP8, dot_dtype)
-        k_rope = g_rope.to(dot_dtype)
+        k0 = _key_group(g0, s0, FP8, SCALE_LOGITS, DOT_F32)
+        k1 = _key_group(g1, s1, FP8, SCALE_LOGITS, DOT_F32)
+        k2 = _key_group(g2, s2, FP8, SCALE_LOGITS, DOT_F32)
+        k3 = _key_group(g3, s3, FP8, SCALE_LOGITS, DOT_F32)
+        if ROPE_E4M3:
+            # e4m3 bytes -> x * 2^-120 in bf16 -> x exactly (times 2^120 in float32); every
+            # e4m3 value is a bf16 value
+            k_rope = (_fp8_bits_as_bf16(g_rope, DOT_F32).to(tl.float32) * 1.329227995784916e36).to(dot_dtype)
+        else:
+            k_rope = g_rope.to(dot_dtype)
         logits = tl.dot(q_rope, tl.trans(k_rope))
-        logits = tl.dot(q0, tl.trans(k0), logits)
-        logits = tl.dot(q1, tl.trans(k1), logits)
-        logits = tl.dot(q2, tl.trans(k2), logits)
-        logits = tl.dot(q3, tl.trans(k3), logits)
+        if FP8 and SCALE_LOGITS:
+            # logit = q_rope . k_rope + sum_g scale_g * (q_g . x_g): the scales per key and
+            # group on the [heads x keys] tile (times 2^20, see q0 above)
+            s0 = s0 * 1048576.0
+            s1 = s1 * 1048576.0
+            s2 = s2 * 1048576.0
+            s3 = s3 * 1048576.0
+            logits += tl.dot(q0, tl.trans(k0)) * s0[None, :]
+            logits += tl.dot(q1, tl.trans(k1)) * s1[None, :]
+            logits += tl.dot(q2, tl.trans(k2)) * s2[None, :]
+            logits += tl.dot(q3, tl.trans(k3)) * s3[None, :]
+        else:
+            logits = tl.dot(q0, tl.trans(k0), logits)
+            logits = tl.dot(q1, tl.trans(k1), logits)
+            logits = tl.dot(q2, tl.trans(k2), logits)
+            logits = tl.dot(q3, tl.trans(k3), logits)
         logits = tl.where(valid[None, :], logits * qk_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet: avoid inf - inf
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(logits - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        p = p.to(dot_dtype)
-        acc0 = tl.dot(p, k0, acc0 * alpha[:, None])
-        acc1 = tl.dot(p, k1, acc1 * alpha[:, None])
-        acc2 = tl.dot(p, k2, acc2 * alpha[:, None])
-        acc3 = tl.dot(p, k3, acc3 * alpha[:, None])
+        if FP8 and SCALE_LOGITS:
+            # acc_g += sum_n p[n] * scale_g[n] * 2^100 * x_g[n] * 2^-120: 2^-20 times the
+            # output (undone at the end); p times a power of two rounds as p does
+            acc0 = tl.dot((p * (s0 * 1.2089258196146292e24)[None, :]).to(dot_dtype), k0, acc0 * alpha[:, None])
+            acc1 = tl.dot((p * (s1 * 1.2089258196146292e24)[None, :]).to(dot_dtype), k1, acc1 * alpha[:, None])
+            acc2 = tl.dot((p * (s2 * 1.2089258196146292e24)[None, :]).to(dot_dtype), k2, acc2 * alpha[:, None])
+            acc3 = tl.dot((p * (s3 * 1.2089258196146292e24)[None, :]).to(dot_dtype), k3, acc3 * alpha[:, None])
+        else:
+            p = p.to(dot_dtype)
+            acc0 = tl.dot(p, k0, acc0 * alpha[:, None])
+            acc1 = tl.dot(p, k1, acc1 * alpha[:, None])
+            acc2 = tl.dot(p, k2, acc2 * alpha[:, None])
+            acc3 = tl.dot(p, k3, acc3 * alpha[:, None])
         m_i = m_new
-
-        if PREFETCH:
-            valid = valid_next
-            g0, g1, g2, g3, s0, s1, s2, s3, g_rope = n_g0, n_g1, n_g2, n_g3, n_s0, n_s1, n_s2, n_s3, n_rope
-            idx_next = idx_after
 
     has_any = l_i > 0.0
     l_safe = tl.where(has_any, l_i, 1.0)
     m_safe = tl.where(has_any, m_i, 0.0)
     inv_l = tl.where(has_any, 1.0 / l_safe, 0.0)[:, None]
+    if FP8:
+        # the accumulators hold 2^-20 (SCALE_LOGITS) or 2^-60 times the output
+        inv_l = inv_l * (1048576.0 if SCALE_LOGITS else 1.152921504606847e18)
+    if ROPE_E4M3:
+        inv_l = inv_l * kv_scale  # the values are x: the output is kv_scale times their mix
     empty_lse = float("-inf") if PARTIAL else float("inf")  # +inf is the contract's "no token"
     lse = tl.where(has_any, (m_safe + tl.log2(l_safe)) * 0.6931471805599453, empty_lse)  # natural log
 
@@ -401,20 +513,28 @@ class KernelConfig:
     num_stages: int
     programs_per_sm: int = 2  # choose_num_splits: how many programs per SM to aim for ...
     split_round_up: bool = True  # ... rounding the split count up (oversubscribe) or down
+    scale_logits: bool = True  # fp8: per-128 scales on the logits / probabilities, else on the keys
 
 
-# The only configs the launcher can choose, by (cache dtype, head block). Every one must fit
-# SM120 (99 KB of shared memory, no register spills) for its dtype:
-# tests/kernels/test_sparse_mla_sm120.py compiles each for sm_120.
-CONFIGS: dict[tuple[str, int], KernelConfig] = {
-    ("bf16", 16): KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
-    # fp8: at most one wave of programs (H200, docs/perf-kernels.md: 8x16 19.4 vs 22.5 us,
-    # 64x64 unsplit 236 us vs 297 at 3 splits)
-    ("fp8", 16): KernelConfig(block_h=16, block_n=32, num_warps=8, num_stages=1,
-                              programs_per_sm=1, split_round_up=False),
-    ("fp8", 32): KernelConfig(block_h=32, block_n=32, num_warps=8, num_stages=2,
-                              programs_per_sm=1, split_round_up=False),
+# The only configs the launcher can choose, by (cache dtype, name). Every one must fit SM120
+# (99 KB of shared memory, no register spills) for its dtype: tests/kernels/test_sparse_mla_sm120.py
+# compiles each for sm_120. Chosen from H200 sweeps (docs/perf-kernels.md): 16-head blocks
+# everywhere (32-head blocks of 8 warps ran slower at every shape); num_stages=5 gives Triton's
+# pipeliner two buffers of gathered keys in flight (2-4 stages: one).
+CONFIGS: dict[tuple[str, str], KernelConfig] = {
+    ("bf16", "h16n32"): KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=5),
+    # 64 keys a step over 8 warps: fewer instructions per key where the gathers are not the
+    # limit (32 heads and more)
+    ("bf16", "h16n64"): KernelConfig(block_h=16, block_n=64, num_warps=8, num_stages=2),
+    ("fp8", "h16n32-scaled-keys"): KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=5,
+                                                scale_logits=False),
+    ("fp8", "h16n32-scaled-logits"): KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=5),
 }
+# On SM12x every config runs one program per SM (its shared memory), so the kernels may use
+# every register: Triton passes `.maxnreg`, without which ptxas 13.1 (Triton 3.7's) caps some
+# configs at an occupancy step they cannot reach anyway and spills. Elsewhere (Hopper, where
+# two programs share an SM) ptxas keeps its own choice.
+SM12X_MAXNREG = 255
 MAX_SPLITS = 64  # the merge kernel holds all splits of a row in one tile
 MERGE_NUM_WARPS = 4
 DEFAULT_NUM_SMS = 132  # used where no CUDA device answers (the interpreter)
@@ -423,39 +543,43 @@ MIN_SPLIT_TOKENS = 64  # ... but give each split at least this many keys (H200 s
 
 
 def choose_config(h_q: int, fp8: bool = False) -> KernelConfig:
-    """The head block. bf16: 16 (on the H200 as fast as or faster than 32 for every head count
-    measured). fp8: 16 up to 16 heads, else 32, so that fewer programs convert the same keys."""
-    if not fp8:
-        return CONFIGS[("bf16", 16)]
-    return CONFIGS[("fp8", 16 if h_q <= 16 else 32)]
+    """The config for h_q heads. bf16: 32 keys a step up to 16 heads (one head block: the
+    gathers are the limit), 64 keys over 8 warps beyond. fp8_ds_mla: the per-128 scales on
+    the keys up to 16 heads, on the logits and probabilities beyond (H200, docs/perf-kernels.md)."""
+    if fp8:
+        return CONFIGS[("fp8", "h16n32-scaled-keys" if h_q <= 16 else "h16n32-scaled-logits")]
+    return CONFIGS[("bf16", "h16n32" if h_q <= 16 else "h16n64")]
 
 
 def choose_num_splits(s_q: int, n_head_blocks: int, topk: int, block_n: int, num_sms: int,
                       programs_per_sm: int = PROGRAMS_PER_SM, round_up: bool = True) -> int:
     """Split each row's topk across programs when s_q x head blocks cannot fill the GPU:
-    about programs_per_sm x num_sms programs, the split count rounded up (bf16: a second
-    wave of programs hides gather latency) or down (fp8: never more than that). A grid that
+    about programs_per_sm x num_sms programs, the split count rounded up (or down), then down
+    to a power of two (H200: fp8 64 x 8 at 5 splits 108 us, at 4 splits 71 us). A grid that
     already has a program per SM is not split (H200: bf16 64x64 170 us unsplit, 242 at 2)."""
     programs = s_q * n_head_blocks
     if programs >= num_sms:
         return 1
     fill = programs_per_sm * num_sms / programs
-    wanted = math.ceil(fill) if round_up else math.floor(fill)
+    wanted = max(1, math.ceil(fill) if round_up else math.floor(fill))
     most = min(MAX_SPLITS, max(1, topk // max(MIN_SPLIT_TOKENS, block_n)))
-    return max(1, min(wanted, most))
+    return 1 << (min(wanted, most).bit_length() - 1)
 
 
-def sm120_compile_specs() -> list[dict]:
+def sm120_compile_specs(configs: list[tuple[str, KernelConfig]] | None = None,
+                        merge: bool = True) -> list[dict]:
     """Everything the launcher can launch, as arguments of sm120.compile_for_sm120.
 
-    Each config in CONFIGS for its cache dtype and both output modes, plus the merge kernel,
-    with the specialisations Triton's JIT makes at a typical launch (contiguous last dims are
-    stride 1, token strides and pointers divisible by 16).
+    Each config in CONFIGS (or `configs`: (cache dtype, config) pairs) for its cache dtype
+    (an fp8 config for fp8_ds_mla and for a plain fp8 cache) and both output modes, plus the
+    merge kernel, with the specialisations Triton's JIT makes
+    at a typical launch (contiguous last dims are stride 1, token strides and pointers
+    divisible by 16).
     """
     specs = []
-    for (dtype, _), cfg in CONFIGS.items():
+    for dtype, cfg in configs or [(dtype, cfg) for (dtype, _), cfg in CONFIGS.items()]:
         fp8 = dtype == "fp8"
-        for partial in (False, True):
+        for partial, rope_e4m3 in [(p, r) for p in (False, True) for r in ((False, True) if fp8 else (False,))]:
             signature = {
                 "Q": "*bf16", "stride_q_tok": "i32", "stride_q_head": "i32",
                 "KV": "*u8" if fp8 else "*bf16", "stride_kv_tok": "i32", "n_slots": "i32",
@@ -465,24 +589,39 @@ def sm120_compile_specs() -> list[dict]:
                 "LSE": "*fp32", "stride_lse_tok": "i32", "stride_lse_split": "i32",
                 "stride_lse_head": "i32", "h_q": "i32", "topk": "i32", "tokens_per_split": "i32",
                 "n_split": "i32", "n_head_blocks": "i32", "qk_scale_log2": "fp32",
+                "KV_SCALE": "*fp32",
             }
             constexprs = {"stride_q_dim": 1, "stride_idx_k": 1, "BLOCK_H": cfg.block_h,
-                          "BLOCK_N": cfg.block_n, "FP8": fp8, "PARTIAL": partial, "PREFETCH": fp8,
+                          "BLOCK_N": cfg.block_n, "FP8": fp8, "ROPE_E4M3": rope_e4m3, "PARTIAL": partial,
+                          "SCALE_LOGITS": cfg.scale_logits,
                           "DOT_F32": False}
             aligned = ["Q", "KV", "IDX", "OUT", "LSE", "stride_q_tok", "stride_q_head",
                        "stride_kv_tok", "stride_out_tok", "stride_out_head"]
             specs.append({"fn": _sparse_mla_kernel, "signature": signature, "constexprs": constexprs,
-                          "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "aligned": aligned})
+                          "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "aligned": aligned,
+                          "maxnreg": SM12X_MAXNREG})
     merge_sig = {"PART_OUT": "*fp32", "stride_po_tok": "i32", "stride_po_split": "i32",
                  "stride_po_head": "i32", "PART_LSE": "*fp32", "stride_pl_tok": "i32",
                  "stride_pl_split": "i32", "stride_pl_head": "i32", "OUT": "*bf16",
                  "stride_out_tok": "i32", "stride_out_head": "i32", "LSE": "*fp32",
                  "stride_lse_tok": "i32", "stride_lse_head": "i32", "h_q": "i32", "n_split": "i32"}
-    for block_split in (2, 4, 8, 16, 32, 64):  # next_power_of_2(num_splits), num_splits <= 64
+    for block_split in (2, 4, 8, 16, 32, 64) if merge else ():  # next_power_of_2(num_splits), num_splits <= 64
         specs.append({"fn": _merge_splits_kernel, "signature": merge_sig,
                       "constexprs": {"BLOCK_SPLIT": block_split}, "num_warps": MERGE_NUM_WARPS,
                       "num_stages": 1, "aligned": ["PART_OUT", "OUT", "LSE", "PART_LSE"]})
     return specs
+
+
+@functools.cache
+def _maxnreg_on(device_index: int) -> int | None:
+    return SM12X_MAXNREG if torch.cuda.get_device_capability(device_index)[0] == 12 else None
+
+
+def _maxnreg(device: torch.device) -> int | None:
+    """Triton's `maxnreg` for launches on `device`: SM12X_MAXNREG on compute capability 12.x."""
+    if device.type != "cuda":
+        return None
+    return _maxnreg_on(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _interpreted() -> bool:
@@ -492,7 +631,7 @@ def _interpreted() -> bool:
 
 def _run(q: torch.Tensor, kv: torch.Tensor, stride_kv_tok: int, n_slots: int, indices: torch.Tensor,
          sm_scale: float, fp8: bool, num_splits: int | None,
-         config: KernelConfig | None) -> tuple[torch.Tensor, torch.Tensor]:
+         config: KernelConfig | None, kv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if q.dtype != torch.bfloat16:
         raise TypeError(f"sparse MLA: q must be bfloat16, got {q.dtype}")
     if not math.isfinite(sm_scale):
@@ -539,10 +678,11 @@ def _run(q: torch.Tensor, kv: torch.Tensor, stride_kv_tok: int, n_slots: int, in
         dst_lse, *lse_strides,
         h_q, topk, tokens_per_split, num_splits, n_head_blocks,
         sm_scale * LOG2E,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, FP8=fp8, PARTIAL=partial,
-        PREFETCH=fp8,  # measured on the H200: faster for fp8, slower for bf16 (docs/perf-kernels.md)
+        kv_scale if kv_scale is not None else lse,  # read only for a plain fp8 cache
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, FP8=fp8, ROPE_E4M3=kv_scale is not None, PARTIAL=partial,
+        SCALE_LOGITS=cfg.scale_logits,
         DOT_F32=interpreted,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=_maxnreg(q.device),
     )
     if partial:
         _merge_splits_kernel[(s_q * h_q * 4,)](
@@ -584,3 +724,31 @@ def sparse_mla_fwd_fp8(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.T
     _check_common(q, indices, d_v)
     rows = _fp8_rows(kv_cache, q)
     return _run(q, rows, rows.stride(0), rows.shape[0], indices, float(sm_scale), True, num_splits, config)
+
+
+def sparse_mla_fwd_fp8_e4m3(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
+                            sm_scale: float, kv_scale: torch.Tensor | float, d_v: int = D_NOPE, *,
+                            num_splits: int | None = None,
+                            config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA over a plain fp8 cache (vLLM's `fp8` MLA layout: 576 float8_e4m3 values per
+    token, RoPE included, and one float32 scale for the cache, x = fp8 * kv_scale):
+    (out [s_q, h_q, 512] bf16, lse [s_q, h_q] float32).
+
+    kv_cache: float8_e4m3fn or its uint8 bytes, [..., 576] (e.g. [num_blocks, 64, 576] or
+    [slots, 1, 576]); kv_scale: a float32 tensor of one element on q's device (read on the
+    device, so CUDA graphs capture it), or a number.
+    """
+    _check_common(q, indices, d_v)
+    if kv_cache.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise TypeError(f"sparse MLA fp8: a plain fp8 cache is float8_e4m3fn (or uint8), got {kv_cache.dtype}")
+    if kv_cache.shape[-1] != D_QK or kv_cache.stride(-1) != 1:
+        raise ValueError(f"sparse MLA fp8: the {D_QK} values of a token must be the contiguous last dim, "
+                         f"got {tuple(kv_cache.shape)}")
+    if kv_cache.device != q.device:
+        raise ValueError(f"sparse MLA fp8: kv_cache on {kv_cache.device}, q on {q.device}")
+    rows = kv_cache.view(torch.uint8).reshape(-1, D_QK)
+    scale = torch.as_tensor(kv_scale, dtype=torch.float32, device=q.device).reshape(-1)
+    if scale.numel() != 1:
+        raise ValueError(f"sparse MLA fp8: kv_scale must be one value, got {scale.numel()}")
+    return _run(q, rows, rows.stride(0), rows.shape[0], indices, float(sm_scale), True, num_splits, config,
+                kv_scale=scale)

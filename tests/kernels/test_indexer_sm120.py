@@ -31,17 +31,19 @@ from mlafleet.kernels.sm120 import compile_for_sm120
 PREFILL_SIG = {
     "q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv", "ks_ptr": "*i32", "ke_ptr": "*i32", "scale_ptr": "*fp32",
     "w_ptr": "*fp32", "out_ptr": "*fp32", "M": "i32", "N": "i32", "H": "i32",
-    "stride_qm": "i32", "stride_qh": "i32", "stride_qd": "i32", "stride_kn": "i32", "stride_kd": "i32",
-    "stride_wm": "i32", "stride_wh": "i32", "stride_om": "i32", "stride_on": "i32", "stride_scale": "i32",
+    "stride_qm": "i32", "stride_qh": "i32", "stride_kn": "i32", "stride_wm": "i32", "stride_om": "i32",
     "SPLIT": "i32",
 }
+# Unit strides: Triton's JIT turns an int argument equal to 1 into a constant.
+PREFILL_UNIT = {"stride_qd": 1, "stride_kd": 1, "stride_wh": 1, "stride_on": 1, "stride_scale": 1}
 PAGED_SIG = {
     "q_ptr": "*fp8e4nv", "values_ptr": "*fp8e4nv", "scales_ptr": "*fp32", "w_ptr": "*fp32", "ctx_ptr": "*i32",
     "bt_ptr": "*i32", "out_ptr": "*fp32", "H": "i32", "NEXT_N": "i32", "MAX_LEN": "i32", "SCALE_OFF": "i32",
-    "stride_qb": "i32", "stride_qn": "i32", "stride_qh": "i32", "stride_qd": "i32",
-    "stride_vblk": "i32", "stride_sblk": "i32", "stride_wm": "i32", "stride_wh": "i32",
-    "stride_cb": "i32", "stride_cn": "i32", "stride_btb": "i32", "stride_om": "i32", "SPLIT": "i32",
+    "stride_qb": "i32", "stride_qn": "i32", "stride_qh": "i32",
+    "stride_vblk": "i32", "stride_sblk": "i32", "stride_wm": "i32",
+    "stride_cb": "i32", "stride_btb": "i32", "stride_om": "i32", "SPLIT": "i32",
 }
+PAGED_UNIT = {"stride_qd": 1, "stride_wh": 1}
 TOPK_SIG = {
     "logits_ptr": "*fp32", "starts_ptr": "*i32", "ends_ptr": "*i32", "out_ptr": "*i32", "N": "i32", "TOPK": "i32",
     "stride_lr": "i32", "stride_lc": "i32", "stride_or": "i32",
@@ -62,12 +64,18 @@ for c in configs["prefill"]:
     hp = c["heads"]
     out["prefill"].append(report(compile_for_sm120(
         ix._mqa_logits_kernel, PREFILL_SIG,
-        {"BLOCK_M": ix._prefill_block_m(hp), "HP": hp, "D": 128, "BLOCK_N": ix.PREFILL_BLOCK_N, "CLEAN": c["clean"]},
-        num_warps=ix.PREFILL_WARPS, num_stages=ix.PREFILL_STAGES, aligned=PREFILL_ALIGNED)))
+        {"BLOCK_M": ix._prefill_block_m(hp), "HP": hp, "D": 128, "BLOCK_N": ix.PREFILL_BLOCK_N, "CLEAN": c["clean"],
+         "KEY_MAJOR": ix.PREFILL_KEY_MAJOR, **PREFILL_UNIT},
+        num_warps=ix.PREFILL_WARPS, num_stages=ix.PREFILL_STAGES, aligned=PREFILL_ALIGNED,
+        maxnreg=ix.SM12X_MAXNREG)))
 for c in configs["paged"]:
+    # context_lens [B, next_n] has a unit column stride; for [B] the launcher passes 0
+    sig = {**PAGED_SIG, **({} if c["ctx_2d"] else {"stride_cn": "i32"})}
+    unit = {**PAGED_UNIT, **({"stride_cn": 1} if c["ctx_2d"] else {})}
     out["paged"].append(report(compile_for_sm120(
-        ix._paged_mqa_logits_kernel, PAGED_SIG,
-        {"NP": c["next_n"], "HP": c["heads"], "D": 128, "BLOCK_SIZE": 64, "CTX_2D": c["ctx_2d"], "CLEAN": c["clean"]},
+        ix._paged_mqa_logits_kernel, sig,
+        {"NP": c["next_n"], "HP": c["heads"], "D": 128, "BLOCK_SIZE": 64, "CTX_2D": c["ctx_2d"], "CLEAN": c["clean"],
+         "KEY_MAJOR": ix.DECODE_KEY_MAJOR, **unit},
         num_warps=ix.DECODE_WARPS, num_stages=ix.DECODE_STAGES, aligned=PAGED_ALIGNED)))
 out["topk"] = []
 SPLIT_HIST_SIG = {"logits_ptr": "*fp32", "starts_ptr": "*i32", "ends_ptr": "*i32", "hist_ptr": "*i32",

@@ -53,6 +53,16 @@ def test_register_spills_are_caught() -> None:
     assert not r.fits()
 
 
+def test_launcher_register_limit_is_applied() -> None:
+    # maxnreg (Triton's option, PTX .maxnreg) as a launcher passes it: the same tile, compiled
+    # with a limit below what it needs, uses at most that many registers and spills
+    tile = {"K": 256, "M": 64, "N": 128, "BK": 64}
+    free = compile_for_sm120(_matmul, SIG, tile, num_warps=4, num_stages=2, aligned=SIG)
+    capped = compile_for_sm120(_matmul, SIG, tile, num_warps=4, num_stages=2, aligned=SIG, maxnreg=64)
+    assert free.registers > 64 >= capped.registers and free.spills == 0
+    assert capped.spills > 0 and not capped.fits()
+
+
 def test_bad_arguments_are_named() -> None:
     with pytest.raises(ValueError, match="needs types or values"):
         compile_for_sm120(_matmul, {"A": "*bf16"}, {"K": 64, "M": 16, "N": 16, "BK": 16}, 4, 1)

@@ -3,7 +3,8 @@
 Every cache row that no index names is NaN, so a kernel that reads a row it should not
 (padding, an invalid index, a masked tile) fails loudly. Shapes are small but each case of
 issue 3 is covered: invalid indices, topk and head counts, duplicates, large logits,
-strided q, split/unsplit, the fp8_ds_mla layout.
+strided q, split/unsplit, the fp8_ds_mla layout, and the plain fp8 layout (vLLM's `fp8`
+MLA cache: e4m3 values and one scale).
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ from mlafleet.kernels.sparse_mla import (
     choose_num_splits,
     dequantize_fp8_ds_mla,
     quantize_fp8_ds_mla,
+    quantize_fp8_e4m3,
     reference_sparse_mla,
     reference_sparse_mla_fp8,
+    reference_sparse_mla_fp8_e4m3,
     sparse_mla_fwd,
     sparse_mla_fwd_fp8,
+    sparse_mla_fwd_fp8_e4m3,
 )
 
 SCALE = 1.0 / math.sqrt(256)  # GLM-5's softmax scale
@@ -48,6 +52,22 @@ def make_fp8_cache(kv: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     named = indices[(indices >= 0) & (indices < s_kv)].long().unique()
     cache[named] = quantize_fp8_ds_mla(kv[named, 0])
     return cache.view(blocks, 64, 1, FP8_TOKEN_BYTES)
+
+
+def make_plain_fp8_cache(kv: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """The plain fp8 cache [s_kv, 1, 576] of kv and its scale; unnamed rows are NaN (0x7f)."""
+    named = indices[(indices >= 0) & (indices < kv.shape[0])].long().unique()
+    x, scale = quantize_fp8_e4m3(kv[named])
+    cache = torch.full(kv.shape, 0x7F, dtype=torch.uint8)
+    cache[named] = x.view(torch.uint8)
+    return cache.view(torch.float8_e4m3fn), scale
+
+
+def check_plain_fp8(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, **kw) -> None:
+    """The plain fp8 kernel against its reference, with the scale as a device tensor."""
+    cache, scale = make_plain_fp8_cache(kv, indices)
+    check(*sparse_mla_fwd_fp8_e4m3(q, cache, indices, SCALE, torch.tensor([scale]), **kw),
+          *reference_sparse_mla_fp8_e4m3(q, cache, indices, SCALE, scale))
 
 
 def random_indices(gen: torch.Generator, s_q: int, topk: int, s_kv: int) -> torch.Tensor:
@@ -97,16 +117,16 @@ def test_heads(gen: torch.Generator, h_q: int) -> None:
 
 
 @pytest.mark.parametrize("key", sorted(CONFIGS))
-def test_every_config(gen: torch.Generator, key: tuple[str, int]) -> None:
+def test_every_config(gen: torch.Generator, key: tuple[str, str]) -> None:
     # each config the launcher can choose, explicitly (the launcher picks some only at sizes
     # too large for the interpreter): a partial last head block, invalid indices, split/unsplit
-    dtype, block_h = key
+    dtype, _ = key
     cfg = CONFIGS[key]
     s_kv = 512
     idx = random_indices(gen, 2, 80, s_kv)
     idx[1, 0, ::5] = -1
     idx[0, 0, 3] = s_kv
-    q = torch.randn(2, block_h + 8, 576, generator=gen).bfloat16()
+    q = torch.randn(2, cfg.block_h + 8, 576, generator=gen).bfloat16()
     kv = make_cache(gen, s_kv, idx)
     for num_splits in (1, 3):
         if dtype == "bf16":
@@ -308,19 +328,73 @@ def test_launcher_choices() -> None:
     for h_q in range(1, 257):
         for fp8 in (False, True):
             assert choose_config(h_q, fp8) in CONFIGS.values()
-    assert choose_config(64, fp8=True).block_h == 32 and choose_config(64).block_h == 16
+    # bf16: 32 keys a step up to 16 heads, 64 over 8 warps beyond; fp8: scales on the keys up
+    # to 16 heads, on the logits beyond
+    assert choose_config(16).block_n == 32 and choose_config(17).block_n == 64
+    assert choose_config(64).num_warps == 8
+    assert not choose_config(16, fp8=True).scale_logits and choose_config(32, fp8=True).scale_logits
     # decode at batch 1 on 132 SMs: split topk 2048 into many programs; prefill: no split
     assert choose_num_splits(1, 1, 2048, 32, 132) == 32  # at least 64 keys per split
-    assert 2 <= choose_num_splits(64, 1, 2048, 32, 132) <= 8
+    assert choose_num_splits(1, 1, 2048, 64, 132) == 32
     assert choose_num_splits(4096, 4, 2048, 32, 132) == 1
     assert choose_num_splits(1, 1, 1, 32, 132) == 1
-    # fp8 configs: at most one wave (64 programs on 132 SMs: 2 splits, 128 programs: none)
-    for cfg in (CONFIGS[("fp8", 16)], CONFIGS[("fp8", 32)]):
-        assert not cfg.split_round_up and cfg.programs_per_sm == 1
-    assert choose_num_splits(64, 1, 2048, 32, 132, 1, round_up=False) == 2
-    assert choose_num_splits(64, 2, 2048, 32, 132, 1, round_up=False) == 1
-    assert choose_num_splits(64, 4, 2048, 32, 132, 1, round_up=False) == 1  # floor 0: still 1
-    assert choose_num_splits(8, 1, 2048, 32, 132, 1, round_up=False) == 16
-    assert choose_num_splits(64, 2, 2048, 32, 132) == 3  # bf16's rule rounds up
+    # about two programs per SM, rounded up, then down to a power of two
+    assert choose_num_splits(64, 1, 2048, 32, 132) == 4  # 5 wanted
+    assert choose_num_splits(64, 2, 2048, 32, 132) == 2  # 3 wanted
+    assert choose_num_splits(8, 1, 2048, 32, 132) == 32  # 33 wanted
+    assert choose_num_splits(8, 4, 2048, 32, 132) == 8  # 9 wanted
     assert choose_num_splits(64, 4, 2048, 32, 132) == 1  # a full wave already: no split
-    assert choose_num_splits(33, 4, 2048, 32, 132) == 1 and choose_num_splits(32, 4, 2048, 32, 132) == 3
+    assert choose_num_splits(33, 4, 2048, 32, 132) == 1 and choose_num_splits(32, 4, 2048, 32, 132) == 2
+    assert choose_num_splits(64, 1, 2048, 32, 132, 1, round_up=False) == 2  # floor(2.06)
+    for s_q in range(1, 300):
+        n = choose_num_splits(s_q, 1, 2048, 32, 132)
+        assert n & (n - 1) == 0 and 1 <= n <= 32
+
+
+@pytest.mark.parametrize("h_q, topk, num_splits", [(8, 64, 1), (24, 1000, None), (16, 200, 3)])
+def test_plain_fp8(gen: torch.Generator, h_q: int, topk: int, num_splits: int | None) -> None:
+    s_kv = 640
+    idx = random_indices(gen, 3, topk, s_kv)
+    idx[1, 0, ::4] = -1
+    idx[2, 0, 1::3] = s_kv + 1
+    q = torch.randn(3, h_q, 576, generator=gen).bfloat16()
+    check_plain_fp8(q, make_cache(gen, s_kv, idx), idx, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("key", sorted(k for k in CONFIGS if k[0] == "fp8"))
+def test_plain_fp8_every_config(gen: torch.Generator, key: tuple[str, str]) -> None:
+    cfg = CONFIGS[key]
+    s_kv = 256
+    idx = random_indices(gen, 2, 80, s_kv)
+    idx[1, 0, ::5] = -1
+    q = torch.randn(2, cfg.block_h + 8, 576, generator=gen).bfloat16()
+    check_plain_fp8(q, make_cache(gen, s_kv, idx), idx, num_splits=2, config=cfg)
+
+
+def test_plain_fp8_scale_applies(gen: torch.Generator) -> None:
+    # the same fp8 bytes with twice the scale are twice the keys: the logits double and the
+    # output is the mix of twice the values (a kernel that ignored the scale fails here)
+    s_kv = 128
+    idx = random_indices(gen, 2, 48, s_kv)
+    q = torch.randn(2, 8, 576, generator=gen).bfloat16()
+    cache, scale = make_plain_fp8_cache(make_cache(gen, s_kv, idx), idx)
+    for factor in (1.0, 2.0, 0.37):
+        check(*sparse_mla_fwd_fp8_e4m3(q, cache, idx, SCALE, scale * factor),
+              *reference_sparse_mla_fp8_e4m3(q, cache, idx, SCALE, scale * factor))
+    out1, _ = sparse_mla_fwd_fp8_e4m3(q, cache, idx, SCALE, scale)
+    out2, _ = sparse_mla_fwd_fp8_e4m3(q, cache, idx, SCALE, 2 * scale)
+    assert not torch.allclose(out1.float() * 2, out2.float(), rtol=1e-2)  # the logits changed too
+
+
+def test_plain_fp8_all_invalid_and_bad_inputs(gen: torch.Generator) -> None:
+    q = torch.randn(2, 16, 576, generator=gen).bfloat16()
+    idx = torch.full((2, 1, 70), -1, dtype=torch.int32)
+    cache = torch.full((64, 1, 576), 0x7F, dtype=torch.uint8)
+    out, lse = sparse_mla_fwd_fp8_e4m3(q, cache, idx, SCALE, 1.0, num_splits=2)
+    assert torch.all(out == 0) and torch.all(torch.isposinf(lse))
+    with pytest.raises(ValueError, match="576 values of a token"):
+        sparse_mla_fwd_fp8_e4m3(q, torch.zeros(64, 1, 656, dtype=torch.uint8), idx, SCALE, 1.0)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        sparse_mla_fwd_fp8_e4m3(q, torch.zeros(64, 1, 576, dtype=torch.bfloat16), idx, SCALE, 1.0)
+    with pytest.raises(ValueError, match="one value"):
+        sparse_mla_fwd_fp8_e4m3(q, cache, idx, SCALE, torch.ones(2))

@@ -37,14 +37,18 @@ def reports() -> list[dict]:
 
 
 def test_every_config_is_compiled(reports: list[dict]) -> None:
-    # each config for its cache dtype x {final, partial}, and the merge kernel
+    # each config for its cache dtype x {final, partial} (an fp8 config also for the plain
+    # fp8 cache: ROPE_E4M3), and the merge kernel
     assert len(reports) == len(sm120_compile_specs())
     main = [r for r in reports if r["name"] == "_sparse_mla_kernel"]
-    assert len(main) == 2 * len(CONFIGS)
+    fp8_configs = sum(1 for dtype, _ in CONFIGS if dtype == "fp8")
+    assert len(main) == 2 * len(CONFIGS) + 2 * fp8_configs
     seen = {("fp8" if r["constexprs"]["FP8"] else "bf16", r["constexprs"]["BLOCK_H"], r["constexprs"]["BLOCK_N"],
-             r["num_warps"], r["num_stages"]) for r in main}
-    assert seen == {(dtype, c.block_h, c.block_n, c.num_warps, c.num_stages)
-                    for (dtype, _), c in CONFIGS.items()}
+             r["num_warps"], r["num_stages"], r["constexprs"]["SCALE_LOGITS"], r["constexprs"]["ROPE_E4M3"],
+             r["constexprs"]["PARTIAL"]) for r in main}
+    assert seen == {(dtype, c.block_h, c.block_n, c.num_warps, c.num_stages, c.scale_logits, plain, partial)
+                    for (dtype, _), c in CONFIGS.items() for plain in ((False, True) if dtype == "fp8" else (False,))
+                    for partial in (False, True)}
 
 
 def test_every_config_fits_sm120(reports: list[dict]) -> None:

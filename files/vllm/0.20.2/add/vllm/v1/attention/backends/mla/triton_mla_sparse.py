@@ -11,11 +11,16 @@ sparse-MLA metadata and builder (flashmla_sparse.py) and its index conversion
 - the indexer leaves per-request top-k token positions in `indexer.topk_indices_buffer`;
 - vLLM's `triton_convert_req_index_to_global_index` turns them into global slot ids
   (block * 64 + offset, -1 where invalid) through the block table;
-- `sparse_mla_fwd` (bf16 cache, [slots, 1, 576]) or `sparse_mla_fwd_fp8` (fp8_ds_mla cache,
-  uint8 [num_blocks, 64, 1, 656]) attend over those slots for every query token, prefill and
-  decode alike (no head padding, no FlashMLA scheduler metadata, no prefill workspace).
+- `sparse_mla_fwd` (bf16 cache, [slots, 1, 576]), `sparse_mla_fwd_fp8` (fp8_ds_mla cache,
+  uint8 [num_blocks, 64, 1, 656]) or `sparse_mla_fwd_fp8_e4m3` (a plain fp8 cache) attend over
+  those slots for every query token, prefill and decode alike (no head padding, no FlashMLA
+  scheduler metadata, no prefill workspace).
 
-`kv_cache_dtype` "fp8" means fp8_ds_mla here, as for vLLM's own sparse backends.
+`--kv-cache-dtype fp8` serves the fp8_ds_mla cache, as for vLLM's own sparse backends: the MLA
+layer turns it into fp8_ds_mla before the cache is allocated (the patch set's mla-fp8-kv edit).
+An impl that is handed "fp8" itself (vLLM's own backend tests build it so) is handed a plain
+fp8 cache: 576 float8_e4m3 values a token, RoPE included, and the layer's one k_scale. It reads
+that layout, rather than reading its bytes as fp8_ds_mla or refusing it.
 """
 
 from typing import TYPE_CHECKING, ClassVar
@@ -24,7 +29,11 @@ import torch
 
 from vllm.config.cache import CacheDType
 from vllm.platforms.interface import DeviceCapability
-from vllm.third_party.mlafleet_kernels.sparse_mla import sparse_mla_fwd, sparse_mla_fwd_fp8
+from vllm.third_party.mlafleet_kernels.sparse_mla import (
+    sparse_mla_fwd,
+    sparse_mla_fwd_fp8,
+    sparse_mla_fwd_fp8_e4m3,
+)
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionLayer,
@@ -50,14 +59,14 @@ FP8_DS_MLA_TOKEN_BYTES = 656  # 512 fp8 values, 4 float32 scales, 64 bf16 RoPE v
 # kv_cache_dtype -> how the cache holds a token
 BF16_ROWS = "bf16"
 FP8_DS_MLA_ROWS = "fp8_ds_mla"
+FP8_E4M3_ROWS = "fp8_e4m3"  # 576 float8_e4m3 values a token, one k_scale for the layer
 CACHE_LAYOUTS: dict[str, str] = {
     "auto": BF16_ROWS,  # the model's dtype, which the backend requires to be bf16
     "bfloat16": BF16_ROWS,
     "fp8_ds_mla": FP8_DS_MLA_ROWS,
-    # fp8: what vLLM's sparse-MLA backends mean by it. The MLA layer converts it before the
-    # cache is allocated (the patch set's mla-fp8-kv edit); an impl built with "fp8" directly
-    # (vLLM's own backend tests do that) reads fp8_ds_mla too.
-    "fp8": FP8_DS_MLA_ROWS,
+    # fp8 reaches the impl only where nothing converted it to fp8_ds_mla (the MLA layer does,
+    # mla-fp8-kv edit): then the cache is vLLM's plain fp8 MLA cache
+    "fp8": FP8_E4M3_ROWS,
 }
 
 
@@ -70,17 +79,26 @@ def cache_layout(kv_cache_dtype: str) -> str:
                          f"use one of {', '.join(CACHE_LAYOUTS)}") from None
 
 
-def _attend_bf16(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend_bf16(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scale: float,
+                 layer: AttentionLayer) -> torch.Tensor:
     # [num_blocks, 64, 576] bf16 -> the kernel's [slots, 1, 576]
     return sparse_mla_fwd(q, cache.view(-1, 1, cache.shape[-1]), slots, scale, d_v=LATENT)[0]
 
 
-def _attend_fp8_ds_mla(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend_fp8_ds_mla(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scale: float,
+                       layer: AttentionLayer) -> torch.Tensor:
     # [num_blocks, 64, 656] fp8_ds_mla bytes -> the kernel's uint8 [num_blocks, 64, 1, 656]
     return sparse_mla_fwd_fp8(q, cache.view(torch.uint8).unsqueeze(-2), slots, scale, d_v=LATENT)[0]
 
 
-ATTEND = {BF16_ROWS: _attend_bf16, FP8_DS_MLA_ROWS: _attend_fp8_ds_mla}
+def _attend_fp8_e4m3(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scale: float,
+                     layer: AttentionLayer) -> torch.Tensor:
+    # [num_blocks, 64, 576] float8_e4m3 bytes, K = x * k_scale (read on the device)
+    rows = cache.view(torch.uint8).view(-1, 1, cache.shape[-1])
+    return sparse_mla_fwd_fp8_e4m3(q, rows, slots, scale, layer._k_scale, d_v=LATENT)[0]
+
+
+ATTEND = {BF16_ROWS: _attend_bf16, FP8_DS_MLA_ROWS: _attend_fp8_ds_mla, FP8_E4M3_ROWS: _attend_fp8_e4m3}
 
 
 class TritonMLASparseBackend(AttentionBackend):
@@ -195,4 +213,4 @@ class TritonMLASparseImpl(SparseMLAAttentionImpl[FlashMLASparseMetadata]):
         query = q if isinstance(q, torch.Tensor) else torch.cat(q, dim=-1)
         assert self.topk_indices_buffer is not None
         slots = self._cache_slots(self.topk_indices_buffer[: query.shape[0]], attn_metadata)
-        return ATTEND[self.layout](query, kv_c_and_k_pe_cache, slots, self.scale), None
+        return ATTEND[self.layout](query, kv_c_and_k_pe_cache, slots, self.scale, layer), None

@@ -18,9 +18,11 @@ What a sparse-MLA backend of vLLM 0.32.0 consists of, and what this one puts the
   cache rows through the block table, and mlafleet's `sparse_mla_fwd` / `sparse_mla_fwd_fp8`
   (shipped as vllm.third_party.mlafleet_kernels.sparse_mla) attend over those rows.
 
-`kv_cache_dtype` "fp8" (and "fp8_e4m3") means fp8_ds_mla here, as for vLLM's own sparse
-backends: the MLA layer converts it before the cache is allocated (patch set, mla-fp8-kv.yml),
-and an impl built with "fp8" directly (vLLM's own backend tests do that) reads fp8_ds_mla.
+`--kv-cache-dtype fp8` (and fp8_e4m3) serves the fp8_ds_mla cache, as for vLLM's own sparse
+backends: the MLA layer turns it into fp8_ds_mla before the cache is allocated (patch set,
+mla-fp8-kv.yml). An impl that is handed "fp8" itself (vLLM's own backend tests build it so) is
+handed vLLM's plain fp8 MLA cache: 576 float8_e4m3 values a token, RoPE included, and the
+layer's one k_scale; it reads that layout (`sparse_mla_fwd_fp8_e4m3`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,11 @@ from vllm.model_executor.layers.attention.sparse_mla_attention import (
     SparseMLACommonMetadataBuilder,
 )
 from vllm.platforms.interface import DeviceCapability
-from vllm.third_party.mlafleet_kernels.sparse_mla import sparse_mla_fwd, sparse_mla_fwd_fp8
+from vllm.third_party.mlafleet_kernels.sparse_mla import (
+    sparse_mla_fwd,
+    sparse_mla_fwd_fp8,
+    sparse_mla_fwd_fp8_e4m3,
+)
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -63,12 +69,15 @@ MAJORS = (8, 9, 12)  # compute capabilities the kernels are built and checked fo
 # kv_cache_dtype -> how the cache holds a token
 BF16_ROWS = "bf16"
 FP8_DS_MLA_ROWS = "fp8_ds_mla"
+FP8_E4M3_ROWS = "fp8_e4m3"  # 576 float8_e4m3 values a token, one k_scale for the layer
 CACHE_LAYOUTS: dict[str, str] = {
     "auto": BF16_ROWS,  # the model's dtype, which the backend requires to be bf16
     "bfloat16": BF16_ROWS,
     "fp8_ds_mla": FP8_DS_MLA_ROWS,
-    "fp8": FP8_DS_MLA_ROWS,  # vLLM's canonical spelling of an fp8 cache for sparse MLA
-    "fp8_e4m3": FP8_DS_MLA_ROWS,
+    # fp8 / fp8_e4m3 reach the impl only where nothing converted them to fp8_ds_mla (the MLA
+    # layer does, mla-fp8-kv edit): then the cache is vLLM's plain fp8 MLA cache
+    "fp8": FP8_E4M3_ROWS,
+    "fp8_e4m3": FP8_E4M3_ROWS,
 }
 
 
@@ -81,19 +90,29 @@ def cache_layout(kv_cache_dtype: str) -> str:
                          f"{', '.join(CACHE_LAYOUTS)}") from None
 
 
-def _attend_bf16_rows(q: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend_bf16_rows(q: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, scale: float,
+                      layer: AttentionLayer) -> torch.Tensor:
     # rows [n, 576] bf16 -> the kernel's [n, 1, 576]
     return sparse_mla_fwd(q, rows.unsqueeze(1), slots, scale, d_v=LATENT)[0]
 
 
-def _attend_fp8_rows(q: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend_fp8_rows(q: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, scale: float,
+                     layer: AttentionLayer) -> torch.Tensor:
     # rows [n, 656] of fp8_ds_mla bytes, whatever dtype the cache was allocated with
     return sparse_mla_fwd_fp8(q, rows.view(torch.uint8), slots, scale, d_v=LATENT)[0]
 
 
-ATTEND: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
+def _attend_fp8_e4m3_rows(q: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, scale: float,
+                          layer: AttentionLayer) -> torch.Tensor:
+    # rows [n, 576] of float8_e4m3 bytes, K = x * k_scale (read on the device)
+    return sparse_mla_fwd_fp8_e4m3(q, rows.view(torch.uint8).unsqueeze(1), slots, scale, layer._k_scale,
+                                   d_v=LATENT)[0]
+
+
+ATTEND: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, AttentionLayer], torch.Tensor]] = {
     BF16_ROWS: _attend_bf16_rows,
     FP8_DS_MLA_ROWS: _attend_fp8_rows,
+    FP8_E4M3_ROWS: _attend_fp8_e4m3_rows,
 }
 
 
@@ -237,4 +256,4 @@ class TritonMLASparseImpl(MLAAttentionImpl[SparseMLACommonMetadata], SharedTopkI
         query = q if isinstance(q, torch.Tensor) else torch.cat(q, dim=-1)
         topk = self.topk_indices_buffer[: query.shape[0]]
         rows, slots = self._cache_rows(topk, attn_metadata, kv_c_and_k_pe_cache)
-        return ATTEND[self.layout](query, rows, slots, self.scale), None
+        return ATTEND[self.layout](query, rows, slots, self.scale, layer), None
