@@ -20,10 +20,10 @@ export MLAFLEET_VLLM_PYTHON_032 := $(CURDIR)/$(VLLM_VENV_032)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # Debian packages the controller needs (installed by the targets below when missing): rollouts
 # sync wheelhouses with rsync over ssh; the lab builds its hosts with docker and debootstrap;
-# the tests sign a stand-in apt repository with gnupg.
+# the tests sign a stand-in apt repository with gnupg and open the rollout report in chromium.
 CONTROLLER_DEBS := rsync openssh-client
 LAB_DEBS := docker.io debootstrap
-TEST_DEBS := gnupg
+TEST_DEBS := gnupg chromium
 
 .PHONY: help prereqs lab-prereqs test-prereqs setup wheelhouse vllm-venv patchset lab-images lab-release-image lab-lines-image lab-up lab-down demo lint pytest molecule test clean
 

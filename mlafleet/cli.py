@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "lab": "mlafleet.lab",
     "plan": "mlafleet.runner",
     "patchset": "mlafleet.patchset",
+    "report": "mlafleet.report",
     "rollback": "mlafleet.runner",
     "rollout": "mlafleet.runner",
     "smoke-report": "mlafleet.smoke",

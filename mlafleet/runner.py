@@ -402,6 +402,9 @@ def prepare_private_data_dir(root: Path, run: str, extravars: dict[str, Any], ch
     _write_private(pdd / "env" / "extravars", json.dumps(extravars, indent=2, sort_keys=True) + "\n")
     envvars = {"ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_ROLES_PATH": str(REPO / "roles"),
                "ANSIBLE_FORCE_COLOR": "0", "ANSIBLE_NOCOLOR": "1",
+               # ansible.cfg's callback_plugins, which ansible-runner's own setting would replace:
+               # the mlafleet_report callback writes the timeline and the HTML report.
+               "ANSIBLE_CALLBACK_PLUGINS": str(REPO / "plugins" / "callback"),
                # ansible-playbook from the same venv as mlafleet, whatever the caller's PATH.
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     _write_private(pdd / "env" / "envvars", json.dumps(envvars, indent=2, sort_keys=True) + "\n")
@@ -475,6 +478,7 @@ def run_playbook(command: str, inventories: list[Path], extravars: dict[str, Any
         result = ansible_runner.run(
             private_data_dir=str(pdd), playbook=playbook, inventory=[str(i.resolve()) for i in inventories],
             ident=run, event_handler=on_event, quiet=True,
+            envvars={"MLAFLEET_REPORT_ROOT": str(report_dir.parent)},  # where the report callback writes
         )
     finally:
         stop.set()
@@ -498,6 +502,10 @@ def run_playbook(command: str, inventories: list[Path], extravars: dict[str, Any
     _write_private(report_dir / "summary.txt", text)
     out.write(text)
     out.write(f"report: {report_dir / 'run.json'}, summary: {report_dir / 'summary.txt'}\n")
+    # perf gate / rollout report: the HTML again, now with run.json's statuses and causes.
+    from mlafleet.report import render_quietly
+
+    out.write(f"rollout report: {render_quietly(report_dir)}\n")
     return report
 
 

@@ -1,0 +1,144 @@
+# mlafleet: the rollout report for every way the playbooks are run.
+"""Record what ran when on every host and write reports/<run>/timeline.json and index.html.
+
+A notification callback (enabled in ansible.cfg), so `ansible-playbook site.yml` and `mlafleet
+rollout` (ansible-runner, which keeps ansible.cfg's callbacks) write the same report. It runs
+only for mlafleet runs: once the run id is known (the extra variable mlafleet_run, or the
+mlafleet_run_id fact that playbooks/release.yml sets on the controller). At the end of the
+playbook (also when every host failed, when later plays never start) it writes the timeline
+and renders the HTML report with mlafleet.report from the JSON in the run's report directory.
+"""
+
+from __future__ import annotations
+
+DOCUMENTATION = """
+name: mlafleet_report
+type: aggregate
+short_description: Per-host timeline of an mlafleet run and its HTML report (reports/<run>/)
+description:
+  - Records, per host, which role ran when (per play and serial batch) with its outcome, and
+    writes reports/<run>/timeline.json and reports/<run>/index.html at the end of the playbook.
+  - The report directory's root is $MLAFLEET_REPORT_ROOT, or reports/ beside this repository.
+requirements:
+  - enable in ansible.cfg (callbacks_enabled = mlafleet_report)
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from ansible.plugins.callback import CallbackBase
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class CallbackModule(CallbackBase):
+    CALLBACK_VERSION = 2.0
+    CALLBACK_TYPE = "aggregate"
+    CALLBACK_NAME = "mlafleet_report"
+    CALLBACK_NEEDS_ENABLED = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.started = time.time()
+        self.run_id = None
+        self.release_id = None
+        self.playbook = ""
+        self.plays: list[dict] = []
+        self.batches: dict[str, int] = {}
+        self.hosts: dict[str, list[dict]] = {}
+        self.task_start: dict[tuple[str, str], float] = {}
+
+    # --- what ran -------------------------------------------------------------------------
+    def v2_playbook_on_start(self, playbook):
+        self.playbook = os.path.basename(getattr(playbook, "_file_name", "") or "")
+
+    def v2_playbook_on_play_start(self, play):
+        name = play.get_name().strip()
+        self.batches[name] = self.batches.get(name, 0) + 1
+        if self.plays:
+            self.plays[-1]["end"] = time.time()
+        self.plays.append({"index": len(self.plays), "name": name, "batch": self.batches[name],
+                           "start": time.time(), "end": None, "hosts": []})
+        if self.run_id is None:
+            try:
+                extra = play.get_variable_manager().extra_vars
+                self.run_id = extra.get("mlafleet_run") or None
+            except AttributeError:
+                pass
+
+    def v2_runner_on_start(self, host, task):
+        self.task_start[(host.get_name(), task._uuid)] = time.time()
+
+    def _record(self, result, status: str) -> None:
+        host = result._host.get_name()
+        task = result._task
+        facts = (result._result or {}).get("ansible_facts") or {}
+        self.run_id = self.run_id or facts.get("mlafleet_run_id")
+        self.release_id = facts.get("mlafleet_release_id") or self.release_id
+        if host == "localhost" or not self.plays or task.action in ("include_role", "include_tasks",
+                                                                       "ansible.builtin.include_role",
+                                                                       "ansible.builtin.include_tasks"):
+            return
+        now = time.time()
+        start = self.task_start.pop((host, task._uuid), now)
+        play = self.plays[-1]
+        if host not in play["hosts"]:
+            play["hosts"].append(host)
+        role = task._role.get_name() if task._role else ""
+        segments = self.hosts.setdefault(host, [])
+        last = segments[-1] if segments else None
+        if not (last and last["play"] == play["index"] and last["role"] == role and last["status"] not in
+                ("failed", "unreachable")):
+            last = {"play": play["index"], "role": role, "first_task": task.get_name(), "start": start,
+                    "end": now, "tasks": 0, "changed": 0, "status": "ok", "failures": []}
+            segments.append(last)
+        last["end"] = now
+        last["tasks"] += 1
+        if status == "changed":
+            last["changed"] += 1
+            if last["status"] == "ok":
+                last["status"] = "changed"
+        elif status in ("failed", "unreachable"):
+            res = result._result or {}
+            msg = str(res.get("msg") or res.get("stderr") or "").strip()
+            last["status"] = status
+            last["failures"].append({"task": task.get_name(), "msg": msg[:1000]})
+
+    def v2_runner_on_ok(self, result):
+        self._record(result, "changed" if (result._result or {}).get("changed") else "ok")
+
+    def v2_runner_on_failed(self, result, ignore_errors=False):
+        self._record(result, "ok" if ignore_errors else "failed")
+
+    def v2_runner_on_unreachable(self, result):
+        self._record(result, "unreachable")
+
+    def v2_runner_item_on_failed(self, result):
+        pass  # the loop's own result follows as v2_runner_on_failed
+
+    # --- the report -----------------------------------------------------------------------
+    def v2_playbook_on_stats(self, stats):
+        if not self.run_id:
+            return
+        if self.plays:
+            self.plays[-1]["end"] = time.time()
+        report_dir = Path(os.environ.get("MLAFLEET_REPORT_ROOT") or REPO / "reports") / self.run_id
+        timeline = {
+            "run": self.run_id, "release": self.release_id, "playbook": self.playbook,
+            "started": self.started, "ended": time.time(), "plays": self.plays, "hosts": self.hosts,
+            "stats": {h: stats.summarize(h) for h in sorted(stats.processed) if h != "localhost"},
+        }
+        try:
+            report_dir.mkdir(parents=True, exist_ok=True)
+            (report_dir / "timeline.json").write_text(json.dumps(timeline, indent=1, sort_keys=True) + "\n")
+            if str(REPO) not in sys.path:
+                sys.path.insert(0, str(REPO))  # ansible-playbook from outside the controller venv
+            from mlafleet.report import render
+
+            path = render(report_dir)
+            self._display.display(f"rollout report: {path}")
+        except Exception as exc:  # a report must never fail the rollout  # noqa: BLE001
+            self._display.warning(f"mlafleet_report: could not write the report in {report_dir}: {exc}")
