@@ -21,6 +21,9 @@
 #   vllm-tests.tar.xz the tests/ folder of the vllm 0.20.2 sdist on PyPI (sha256 checked): vLLM's own
 #                     sparse-MLA backend tests, run by `bench/engine_gpu.sh vllm-tests` (tblib, which
 #                     their conftest imports, travels in wheels/vllm)
+#   hf-home/          an offline Hugging Face cache holding only the config.json those tests build
+#                     their VllmConfig from (DeepSeek-V2-Lite-Chat; a stand-in written by
+#                     bench/hf_offline_config.py, the machine reaches no hub)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 wheel=${MLAFLEET_CACHE:-$HOME/.cache/mlafleet}/dl/vllm-0.20.2-cp38-abi3-manylinux_2_35_x86_64.whl
@@ -60,6 +63,8 @@ fi
 echo "$sdist_sha256  $sdist" | sha256sum -c --quiet
 tar -xzf "$sdist" -C "$out" vllm-0.20.2/tests && tar -C "$out/vllm-0.20.2" -cf - tests | xz -T2 -6 > "$out/bundle/vllm-tests.tar.xz"
 rm -rf "$out/vllm-0.20.2"
+# the offline Hugging Face cache with the model config those tests read (bench/hf_offline_config.py)
+python3 bench/hf_offline_config.py "$out/bundle/hf-home" >/dev/null
 download "$out/bundle/wheels/ansible" "ansible-core==2.19.14" "resolvelib>=0.5.3,<2" "cryptography==50.0.2" \
   "cffi>=2" pycparser
 (cd "$out" && tar -cf - bundle | split -b 60M -d - all.tar.part- && rm -rf bundle)

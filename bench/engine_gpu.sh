@@ -96,7 +96,9 @@ case ${1:-} in
   setup) setup "$2" "${3:-}" ;;
   vllm-tests)
     # the whole file: vLLM's own backends as they run on this GPU, and ours added
-    (cd "$work/vllm-tests" && PYTHONPATH="$OLDPWD/bench" timeout 560 "$venv/bin/python" -m pytest \
+    # offline: the model config the tests read comes from the bundle's seeded cache
+    (cd "$work/vllm-tests" && HF_HOME="$work/bundle/hf-home" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+       PYTHONPATH="$OLDPWD/bench" timeout 560 "$venv/bin/python" -m pytest \
        -p vllm_sparse_mla_plugin -p no:cacheprovider -q -rfE --tb=line --durations=5 --maxfail=25 \
        tests/v1/attention/test_sparse_mla_backends.py) 2>&1 | tee "$2/vllm-tests-0.20.2.txt" | tail -40 ;;
   single)
