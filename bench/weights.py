@@ -8,7 +8,8 @@ Writes `--shards` random files of `--size-mb / --shards` MiB each as <model>-000
   2. sha256 of all shards: mlafleet's parallel hashing with each `--jobs` against
      `sha256sum` on all files (one process) and `xargs -P <jobs> sha256sum`;
   3. staging from a local path (copy, verify, rename, stamp), then the re-run with stamps (a stat
-     per shard) against the re-run with verify=full (a re-hash of every shard).
+     per shard), the re-run with stamps and the spot check (the role's default: 2 random chunks
+     of 64 MiB a shard re-hashed) and the re-run with verify=full (a re-hash of every shard).
 Prints one JSON object; docs/perf-weights.md records the results with the machine they ran on.
 """
 
@@ -76,7 +77,7 @@ def main() -> int:
                      "python": platform.python_version(), "shard_bytes": size, "shards": args.shards}
 
     one = origin[0]
-    t_py = timed(lambda: weights.sha256_path(one))
+    t_py = timed(lambda: stager.hash_file(str(one)))
     t_sum = timed(lambda: subprocess.run(["sha256sum", str(one)], stdout=subprocess.DEVNULL, check=True))
     results["one_file_MiBps"] = {"mlafleet": round(size / t_py / 2**20), "sha256sum": round(size / t_sum / 2**20)}
 
@@ -92,14 +93,20 @@ def main() -> int:
         all_files[f"sha256sum_xargs_P{jobs}"] = round(total / t / 2**20)
     results["all_files_MiBps"] = all_files
 
-    digests = weights.hash_files(origin, max(int(j) for j in args.jobs.split(",")))
-    shards = stager.parse_shards([{"name": p.name, "size": size, "sha256": digests[p]} for p in origin])
+    chunk = stager.MANIFEST_CHUNK
+    digests = weights.hash_files(origin, max(int(j) for j in args.jobs.split(",")), chunk_size=chunk)
+    shards = stager.parse_shards([{"name": p.name, "size": size, "sha256": digests[p][0], "chunk_size": chunk,
+                                   "chunks": digests[p][1]} for p in origin])
     dest = root / "dest"
     shutil.rmtree(dest, ignore_errors=True)
     start = time.perf_counter()
     stager.stage(str(dest), shards, [stager.PathSource(str(root / "origin"))])
     results["stage_from_path_s"] = round(time.perf_counter() - start, 3)
     results["rerun_with_stamps_s"] = round(timed(lambda: stager.stage(str(dest), shards, []), 5), 5)
+    spot: dict = {}
+    results["rerun_with_spot_check_s"] = round(timed(lambda: spot.update(
+        stager.stage(str(dest), shards, [], spot_chunks=2)["spot_check"]), 5), 4)
+    results["spot_check_bytes"] = spot["bytes"]
     results["rerun_full_verify_s"] = round(timed(lambda: stager.stage(str(dest), shards, [], verify="full"), 2), 3)
     print(json.dumps(results, indent=2))
     if not args.keep:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import importlib.util
 import json
 import os
@@ -107,27 +106,17 @@ class Progress:
             self.stream.flush()
 
 
-def sha256_path(path: Path, advance: Callable[[int], None] = lambda _n: None) -> str:
-    """sha256 of a file, read in 8 MiB chunks (hashlib releases the GIL, so threads hash in parallel)."""
-    digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as handle:
-        buffer = bytearray(CHUNK)
-        view = memoryview(buffer)
-        while count := handle.readinto(buffer):
-            digest.update(view[:count])
-            advance(count)
-    return digest.hexdigest()
-
-
-def hash_files(paths: list[Path], jobs: int, progress: Progress | None = None) -> dict[Path, str]:
-    """sha256 of several files, `jobs` at a time."""
+def hash_files(paths: list[Path], jobs: int, progress: Progress | None = None,
+                chunk_size: int = 0) -> dict[Path, tuple[str, list[str]]]:
+    """sha256 of several files, `jobs` at a time, with the sha256 of every chunk_size bytes
+    (the staging module's one-pass hash, so the manifest and the hosts' checks cannot differ)."""
     advance = progress.advance if progress else (lambda _n: None)
 
-    def one(path: Path) -> tuple[Path, str]:
-        digest = sha256_path(path, advance)
+    def one(path: Path) -> tuple[Path, tuple[str, list[str]]]:
+        digest, chunks = stager().hash_file(str(path), chunk_size, advance)
         if progress:
             progress.note(f"{path.name}  {digest}")
-        return path, digest
+        return path, (digest, chunks)
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         return dict(pool.map(one, paths))
@@ -224,14 +213,16 @@ def find_shards(directory: Path, model: str | None = None) -> list[Path]:
 
 
 def build_manifest(directory: Path, model: str | None = None, jobs: int = 4,
-                   progress_stream: IO[str] | None = None) -> dict:
-    """The manifest of one model's shards in `directory`: headers checked, sha256 in parallel."""
+                   progress_stream: IO[str] | None = None, chunk_size: int | None = None) -> dict:
+    """The manifest of one model's shards in `directory`: headers checked, sha256 in parallel,
+    with the sha256 of every chunk_size bytes (default 64 MiB) for the hosts' spot checks."""
+    chunk_size = stager().MANIFEST_CHUNK if chunk_size is None else chunk_size
     paths = find_shards(directory, model)
     headers = [read_split_header(p) for p in paths]
     summary = check_split_headers(headers)
     sizes = {p: p.stat().st_size for p in paths}
     progress = Progress(sum(sizes.values()), "hashing", progress_stream) if progress_stream else None
-    digests = hash_files(paths, jobs, progress)
+    digests = hash_files(paths, jobs, progress, chunk_size)
     if progress:
         progress.finish()
     manifest = {
@@ -241,7 +232,8 @@ def build_manifest(directory: Path, model: str | None = None, jobs: int = 4,
         "split_count": len(paths),
         "tensor_count": summary["tensor_count"],
         "total_size": sum(sizes.values()),
-        "shards": [{"name": p.name, "size": sizes[p], "sha256": digests[p], "tensors": len(h.tensor_names)}
+        "shards": [{"name": p.name, "size": sizes[p], "sha256": digests[p][0], "tensors": len(h.tensor_names),
+                    "chunk_size": chunk_size, "chunks": digests[p][1]}
                    for p, h in zip(paths, headers)],
     }
     try:  # what the role and the host module will check: a name they refuse is refused here already
@@ -286,8 +278,10 @@ def _source_specs(args: argparse.Namespace) -> list[dict]:
 
 
 def cmd_manifest(args: argparse.Namespace) -> int:
+    if args.chunk_mib < 1:
+        raise WeightsError(f"--chunk-mib must be at least 1, not {args.chunk_mib}")
     manifest = build_manifest(Path(args.directory), args.model, args.jobs,
-                              None if args.quiet else sys.stderr)
+                              None if args.quiet else sys.stderr, args.chunk_mib << 20)
     text = json.dumps(manifest, indent=2) + "\n"
     if args.output:
         tmp = Path(args.output + ".partial")
@@ -313,7 +307,8 @@ def cmd_stage(args: argparse.Namespace) -> int:
         shards = host.parse_shards(manifest["shards"])
         sources = [host.make_source(spec, args.timeout) for spec in specs]
         result = host.stage(args.dest, shards, sources, verify=args.verify, retries=args.retries,
-                            reserve=args.reserve_mb << 20, check_mode=args.check, log=log)
+                            reserve=args.reserve_mb << 20, check_mode=args.check, log=log,
+                            spot_chunks=args.spot_chunks)
     except host.StageError as err:
         raise WeightsError(host.redact(str(err), secrets)) from None
     verb = "would fetch" if args.check else "fetched"
@@ -326,11 +321,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     host = stager()
     manifest = load_manifest(Path(args.manifest))
     try:
-        result = host.prove_present(args.dest, host.parse_shards(manifest["shards"]), args.verify)
+        result = host.prove_present(args.dest, host.parse_shards(manifest["shards"]), args.verify,
+                                    args.spot_chunks)
     except host.StageError as err:
         raise WeightsError(str(err)) from None
-    print(f"{args.dest}: all {result['present']} of {result['expected']} shards present and verified",
-          file=sys.stderr)
+    print(f"{args.dest}: all {result['present']} of {result['expected']} shards present and verified; "
+          f"{result['spot_check']['summary']}", file=sys.stderr)
     return 0
 
 
@@ -377,6 +373,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     manifest.add_argument("-j", "--jobs", type=int, default=min(8, os.cpu_count() or 1),
                           help="shards hashed in parallel")
     manifest.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    manifest.add_argument("--chunk-mib", type=int, default=64,
+                          help="record the sha256 of every CHUNK_MIB MiB of each shard (the hosts' spot checks)")
     manifest.set_defaults(func=_guarded(cmd_manifest))
 
     stage = commands.add_parser("stage", help="fetch, verify and stamp shards into DEST")
@@ -391,6 +389,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stage.add_argument("--hub-endpoint", default="https://huggingface.co")
     stage.add_argument("--token-file", help="file holding the hub token (never printed)")
     stage.add_argument("--verify", choices=["stamp", "full"], default="stamp")
+    stage.add_argument("--spot-chunks", type=int, default=2,
+                     help="chunks per stamped shard re-hashed at random on every run (0: none)")
     stage.add_argument("--retries", type=int, default=2)
     stage.add_argument("--reserve-mb", type=int, default=1024)
     stage.add_argument("--timeout", type=int, default=60)
@@ -401,6 +401,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     verify.add_argument("--manifest", required=True)
     verify.add_argument("dest")
     verify.add_argument("--verify", choices=["stamp", "full"], default="stamp")
+    verify.add_argument("--spot-chunks", type=int, default=2,
+                     help="chunks per stamped shard re-hashed at random on every run (0: none)")
     verify.set_defaults(func=_guarded(cmd_verify))
 
     merge = commands.add_parser("merge", help="stream the shards into one GGUF file")

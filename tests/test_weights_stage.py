@@ -392,6 +392,113 @@ def test_host_module_needs_only_the_standard_library() -> None:
     assert out.stdout.strip() == "[]"
 
 
+def _flip(path: Path, offset: int) -> None:
+    """One flipped byte, the file's size and mtime kept (what a stamp cannot see)."""
+    st = path.stat()
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        byte = handle.read(1)
+        handle.seek(offset)
+        handle.write(bytes([byte[0] ^ 1]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.fixture()
+def chunked(tmp_path: Path) -> tuple[Path, dict, list]:
+    """The three shards with per-chunk sha256 of 64 KiB (about 17 chunks a shard)."""
+    origin = tmp_path / "origin"
+    write_model(origin, shards=3, tensors_per_shard=2, elements=1 << 18)
+    manifest = weights.build_manifest(origin, chunk_size=64 << 10)
+    return origin, manifest, host.parse_shards(manifest["shards"])
+
+
+def test_manifest_carries_chunk_sha256_that_match_the_bytes(chunked) -> None:
+    origin, manifest, shards = chunked
+    for entry, shard in zip(manifest["shards"], shards):
+        data = (origin / entry["name"]).read_bytes()
+        assert entry["chunk_size"] == 64 << 10 and shard.chunk_size == 64 << 10
+        assert entry["chunks"] == [hashlib.sha256(data[i:i + (64 << 10)]).hexdigest()
+                                   for i in range(0, len(data), 64 << 10)]
+        assert list(shard.chunks) == entry["chunks"] and len(shard.chunks) > 10
+    default = weights.build_manifest(origin)  # 64 MiB chunks: one per shard of this size
+    assert [e["chunk_size"] for e in default["shards"]] == [64 << 20] * 3
+    assert [len(e["chunks"]) for e in default["shards"]] == [1] * 3
+
+
+def test_every_run_spot_checks_chunks_and_finds_a_silent_flip(chunked, tmp_path: Path) -> None:
+    origin, _, shards = chunked
+    dest = tmp_path / "dest"
+    host.stage(str(dest), shards, [host.PathSource(str(origin))])
+    _flip(dest / shards[1].name, 5000 + 3 * (64 << 10))  # in chunk 3 of shard 2
+    # without the spot check the stamp is trusted: the documented limit
+    assert host.prove_present(str(dest), shards, spot_chunks=0)["present"] == 3
+    # two random chunks a shard (what the role does by default) read exactly that much
+    quick = host.prove_present(str(dest), [shards[0], shards[2]], spot_chunks=2)
+    assert quick["spot_check"]["shards"] == 2 and quick["spot_check"]["chunks"] == 4
+    assert quick["spot_check"]["bytes"] == 4 * (64 << 10)
+    assert "4 chunks" in quick["spot_check"]["summary"] and " s" in quick["spot_check"]["summary"]
+    # enough chunks to cover the shard: the flip is found however the picks fall
+    every = len(shards[1].chunks)
+    with pytest.raises(host.StageError, match=f"1 of 3 shards are missing or corrupt.*spot check failed.*{shards[1].name}"):
+        host.prove_present(str(dest), shards, spot_chunks=every)
+    log: list[str] = []
+    result = host.stage(str(dest), shards, [host.PathSource(str(origin))], spot_chunks=every, log=log.append)
+    assert result["fetched"] == [shards[1].name] and result["corrupt"] == [shards[1].name]
+    assert result["spot_check"]["failed"] == [shards[1].name]
+    assert any("spot-checked chunk does not match" in line for line in log)
+    assert_staged(dest, origin, shards)
+
+
+def test_random_picks_find_a_flip_in_proportion(chunked, tmp_path: Path) -> None:
+    """With k of n chunks picked, a flip in one chunk is found with probability k/n per run."""
+    import random
+
+    origin, _, shards = chunked
+    dest = tmp_path / "dest"
+    host.stage(str(dest), shards, [host.PathSource(str(origin))])
+    _flip(dest / shards[0].name, 10)  # chunk 0
+    n = len(shards[0].chunks)
+    rng = random.Random(7)
+    found = sum(bool(host.make_plan(str(dest), shards[:1], "stamp", 2, rng).spot_failed) for _ in range(300))
+    assert abs(found / 300 - 2 / n) < 0.06, (found, n)
+
+
+def test_manifests_without_chunk_hashes_are_named_unchecked(model, tmp_path: Path) -> None:
+    origin, manifest, _ = model
+    entries = [{k: v for k, v in e.items() if k not in ("chunk_size", "chunks")} for e in manifest["shards"]]
+    shards = host.parse_shards(entries)
+    dest = tmp_path / "dest"
+    host.stage(str(dest), shards, [host.PathSource(str(origin))])
+    again = host.stage(str(dest), shards, [host.PathSource(str(origin))], spot_chunks=2)
+    assert again["spot_check"]["unchecked"] == [s.name for s in shards] and again["spot_check"]["chunks"] == 0
+    assert "3 shards have no chunk sha256 in the manifest" in again["spot_check"]["summary"]
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"chunk_size": 0, "chunks": []}, "chunk_size 0 is not a positive integer"),
+    ({"chunk_size": 4, "chunks": "ab"}, "chunks is not a list"),
+    ({"chunk_size": 4, "chunks": ["a" * 64]}, "1 chunk sha256 for 10 bytes in chunks of 4, expected 3"),
+    ({"chunk_size": 4, "chunks": ["a" * 64, "b" * 64, "xyz"]}, "chunk sha256 'xyz' is not 64 hex digits"),
+    ({"chunks": ["a" * 64]}, "chunk_size None is not a positive integer"),
+])
+def test_bad_chunk_lists_are_named(extra: dict, message: str) -> None:
+    entry = {"name": "m-00001-of-00001.gguf", "size": 10, "sha256": "0" * 64, **extra}
+    with pytest.raises(host.StageError, match=re.escape(message)):
+        host.parse_shards([entry])
+
+
+def test_one_pass_hash_gives_the_file_and_chunk_sha256(tmp_path: Path) -> None:
+    for size in (0, 1, 3 << 20, (3 << 20) + 17):
+        path = tmp_path / f"blob{size}"
+        data = os.urandom(size)
+        path.write_bytes(data)
+        digest, chunks = host.hash_file(str(path), 1 << 20)
+        assert digest == hashlib.sha256(data).hexdigest()
+        want = [hashlib.sha256(data[i:i + (1 << 20)]).hexdigest() for i in range(0, size, 1 << 20)] or \
+            [hashlib.sha256(b"").hexdigest()]
+        assert chunks == want, size
+
+
 def test_sha256_matches_hashlib(tmp_path: Path) -> None:
     path = tmp_path / "blob"
     path.write_bytes(os.urandom(3 << 20))

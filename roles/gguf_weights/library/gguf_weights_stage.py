@@ -7,7 +7,10 @@ This file is the one place where staging happens. It runs on a host (as the Ansi
 hosts carry nothing but Debian's python3.
 
 For every shard of the manifest:
-  - a verified shard with a matching stamp (size, mtime_ns, sha256) costs one stat;
+  - a verified shard with a matching stamp (size, mtime_ns, sha256) costs one stat, plus a spot
+    check: where the manifest carries per-chunk sha256 (`chunk_size`, `chunks`), a few chunks
+    picked at random are read and hashed on every run (a flipped byte with its mtime kept is
+    found once its chunk is picked; verify=full re-hashes everything);
   - otherwise the bytes land in `<name>.partial`, resumed from wherever a previous run
     stopped, are checked against the manifest's sha256, then renamed atomically;
   - the free space for every byte still to come is checked before the first byte is written;
@@ -25,9 +28,11 @@ import fcntl
 import hashlib
 import json
 import os
+import random
 import re
 import shlex
 import subprocess
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -60,12 +65,21 @@ options:
     choices: [staged, verified]
     default: staged
   verify: {description: C(stamp) trusts matching stamps; C(full) re-hashes every shard., type: str, default: stamp}
+  spot_chunks:
+    description:
+      - With C(verify=stamp), chunks per stamped shard read and checked against the manifest's
+        per-chunk sha256 on every run, picked at random (all of them when a shard has fewer).
+        0 turns the spot check off; shards without chunk hashes in the manifest are not spot-checked.
+    type: int
+    default: 2
   retries: {description: Extra attempts per source and shard after a failed or corrupt download., type: int, default: 2}
   reserve_mb: {description: Free space to keep on the filesystem beyond the shards., type: int, default: 1024}
   timeout: {description: Network timeout in seconds., type: int, default: 60}
 """
 
 CHUNK = 8 << 20
+# the manifest's per-chunk sha256 (what the spot check reads), mlafleet weights manifest's default
+MANIFEST_CHUNK = 64 << 20
 STAMP_DIR = ".mlafleet-stamps"
 MANIFEST_FORMAT = "mlafleet-gguf-manifest/1"
 # A model name becomes a directory and every shard name a file in it: letters, digits, '.', '_',
@@ -87,6 +101,8 @@ class Shard:
     name: str
     size: int
     sha256: str
+    chunk_size: int = 0             # with `chunks`: the sha256 of each chunk_size bytes, in order
+    chunks: tuple[str, ...] = ()
 
 
 def parse_shards(entries: list[dict]) -> list[Shard]:
@@ -107,11 +123,12 @@ def parse_shards(entries: list[dict]) -> list[Shard]:
             raise StageError(f"manifest shard {name}: size {size!r} is not a non-negative integer")
         if not SHA256_RE.match(sha):
             raise StageError(f"manifest shard {name}: sha256 {entry.get('sha256')!r} is not 64 hex digits")
+        chunk_size, chunks = parse_chunks(name, size, entry.get("chunk_size"), entry.get("chunks"))
         match = SHARD_RE.match(name)
         models.add(match["model"])
         counts.add(int(match["count"]))
         numbers.append(int(match["no"]))
-        shards.append(Shard(name, size, sha))
+        shards.append(Shard(name, size, sha, chunk_size, chunks))
     if len(models) != 1 or len(counts) != 1:
         raise StageError(f"manifest mixes models or shard counts: {sorted(s.name for s in shards)}")
     count = counts.pop()
@@ -122,6 +139,25 @@ def parse_shards(entries: list[dict]) -> list[Shard]:
         raise StageError(f"manifest does not list shards 1..{count} of {count} exactly once "
                          f"(missing {missing}, duplicate or out of range {extra})")
     return sorted(shards, key=lambda s: s.name)
+
+
+def parse_chunks(name: str, size: int, chunk_size: object, chunks: object) -> tuple[int, tuple[str, ...]]:
+    """A shard's optional per-chunk sha256: both or neither, one 64-hex digest per chunk."""
+    if chunk_size is None and chunks is None:
+        return 0, ()
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise StageError(f"manifest shard {name}: chunk_size {chunk_size!r} is not a positive integer")
+    if not isinstance(chunks, list):
+        raise StageError(f"manifest shard {name}: chunks is not a list of sha256")
+    want = max(1, -(-size // chunk_size))
+    if len(chunks) != want:
+        raise StageError(f"manifest shard {name}: {len(chunks)} chunk sha256 for {size} bytes in chunks of "
+                         f"{chunk_size}, expected {want}")
+    digests = tuple(str(c).lower() for c in chunks)
+    bad = [c for c in digests if not SHA256_RE.match(c)]
+    if bad:
+        raise StageError(f"manifest shard {name}: chunk sha256 {bad[0]!r} is not 64 hex digits")
+    return chunk_size, digests
 
 
 def check_manifest(manifest: object) -> list[Shard]:
@@ -153,12 +189,85 @@ def check_manifest(manifest: object) -> list[Shard]:
     return shards
 
 
-def sha256_file(path: str) -> str:
+def hash_file(path: str, chunk_size: int = 0, advance: Callable[[int], None] = lambda _n: None
+              ) -> tuple[str, list[str]]:
+    """One pass over a file: its sha256 and, with chunk_size, the sha256 of every chunk_size bytes.
+
+    Read in 8 MiB pieces into one buffer (hashlib releases the GIL: threads hash in parallel);
+    `advance` is told every piece's length (progress bars).
+    """
     digest = hashlib.sha256()
+    chunks: list[str] = []
+    part = hashlib.sha256()
+    in_part = 0
+    step = min(CHUNK, chunk_size) if chunk_size else CHUNK
+    buffer = bytearray(step)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as handle:
+        while True:
+            count = handle.readinto(view[: min(step, chunk_size - in_part)] if chunk_size else view)
+            if not count:
+                break
+            digest.update(view[:count])
+            advance(count)
+            if chunk_size:
+                part.update(view[:count])
+                in_part += count
+                if in_part == chunk_size:
+                    chunks.append(part.hexdigest())
+                    part, in_part = hashlib.sha256(), 0
+    if chunk_size and (in_part or not chunks):
+        chunks.append(part.hexdigest())
+    return digest.hexdigest(), chunks
+
+
+def sha256_file(path: str) -> str:
+    return hash_file(path)[0]
+
+
+@dataclass
+class SpotCheck:
+    """What the spot check read on this run (its cost) and what it found."""
+    shards: int = 0
+    chunks: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    unchecked: list[str] = field(default_factory=list)   # stamped shards without chunk hashes
+
+    def summary(self) -> str:
+        text = (f"spot check: {self.chunks} chunks ({self.bytes / 2**20:.0f} MiB) of {self.shards} stamped "
+                f"shards read and verified in {self.seconds:.2f} s")
+        if self.unchecked:
+            text += f"; {len(self.unchecked)} shards have no chunk sha256 in the manifest (not spot-checked)"
+        return text
+
+
+def spot_check(path: str, shard: Shard, count: int, report: SpotCheck, rng: random.Random) -> bool:
+    """Read `count` random chunks of a stamped shard (all when it has fewer) against the manifest."""
+    if count <= 0:
+        return True
+    if not shard.chunks:
+        report.unchecked.append(shard.name)
+        return True
+    picks = sorted(rng.sample(range(len(shard.chunks)), min(count, len(shard.chunks))))
+    started = time.monotonic()
+    report.shards += 1
+    ok = True
     with open(path, "rb") as handle:
-        while chunk := handle.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+        for index in picks:
+            handle.seek(index * shard.chunk_size)
+            digest = hashlib.sha256()
+            left = min(shard.chunk_size, shard.size - index * shard.chunk_size)
+            while left > 0 and (piece := handle.read(min(CHUNK, left))):
+                digest.update(piece)
+                left -= len(piece)
+                report.bytes += len(piece)
+            report.chunks += 1
+            if digest.hexdigest() != shard.chunks[index]:
+                ok = False
+                break
+    report.seconds += time.monotonic() - started
+    return ok
 
 
 # --- stamps: what makes a re-run cost a stat -------------------------------------------------
@@ -432,17 +541,30 @@ class Plan:
     fetch: list[Shard] = field(default_factory=list)        # missing or corrupt: bytes must come
     corrupt: list[str] = field(default_factory=list)        # on disk but wrong: will be replaced
     remaining_bytes: int = 0
+    spot: SpotCheck = field(default_factory=SpotCheck)
+    spot_failed: list[str] = field(default_factory=list)    # stamped, but a picked chunk is wrong
 
 
-def make_plan(dest: str, shards: list[Shard], verify: str = "stamp") -> Plan:
-    """Decide per shard: ready (a stat), restamp (hash matched), or fetch (counting bytes to come)."""
+def make_plan(dest: str, shards: list[Shard], verify: str = "stamp", spot_chunks: int = 0,
+              rng: random.Random | None = None) -> Plan:
+    """Decide per shard: ready (a stat and the spot check), restamp (hash matched), or fetch
+    (counting bytes to come). A stamped shard whose spot-checked chunk is wrong is corrupt."""
     plan = Plan()
+    rng = rng or random.SystemRandom()
     for shard in shards:
         final = os.path.join(dest, shard.name)
         if os.path.exists(final):
             stamped = stamp_matches(dest, shard)
             if stamped and verify == "stamp":
-                plan.ready.append(shard)
+                if spot_check(final, shard, spot_chunks, plan.spot, rng):
+                    plan.ready.append(shard)
+                    continue
+                plan.spot_failed.append(shard.name)
+                plan.corrupt.append(shard.name)
+                partial = final + ".partial"
+                have = os.path.getsize(partial) if os.path.exists(partial) else 0
+                plan.fetch.append(shard)
+                plan.remaining_bytes += shard.size - have if have <= shard.size else shard.size
                 continue
             if os.path.getsize(final) == shard.size and sha256_file(final) == shard.sha256:
                 (plan.ready if stamped else plan.restamp).append(shard)
@@ -532,14 +654,26 @@ def count_present(dest: str, shards: list[Shard]) -> int:
     return sum(1 for shard in shards if stamp_matches(dest, shard))
 
 
+def _spot_result(plan: Plan, log: Log) -> dict:
+    if plan.spot.shards or plan.spot.unchecked:
+        log(plan.spot.summary())
+    for name in plan.spot_failed:
+        log(f"{name}: a spot-checked chunk does not match the manifest although its stamp does: corrupt")
+    return {"spot_check": {"shards": plan.spot.shards, "chunks": plan.spot.chunks, "bytes": plan.spot.bytes,
+                           "seconds": round(plan.spot.seconds, 3), "unchecked": plan.spot.unchecked,
+                           "failed": plan.spot_failed, "summary": plan.spot.summary()}}
+
+
 def stage(dest: str, shards: list[Shard], sources: list[Source], *, verify: str = "stamp", retries: int = 2,
-          reserve: int = 0, check_mode: bool = False, log: Log = lambda _msg: None) -> dict:
+          reserve: int = 0, check_mode: bool = False, log: Log = lambda _msg: None, spot_chunks: int = 0,
+          rng: random.Random | None = None) -> dict:
     """Bring `dest` to: every shard present, verified and stamped. Returns what was done."""
     if verify not in ("stamp", "full"):
         raise StageError(f"verify must be 'stamp' or 'full', not {verify!r}")
     if os.path.exists(dest) and not os.path.isdir(dest):
         raise StageError(f"{dest} exists and is not a directory")
-    plan = make_plan(dest, shards, verify) if os.path.isdir(dest) else make_plan_empty(shards)
+    plan = (make_plan(dest, shards, verify, spot_chunks, rng) if os.path.isdir(dest)
+            else make_plan_empty(shards))
     if plan.fetch and not sources:
         raise StageError(f"{len(plan.fetch)} of {len(shards)} shards are missing or corrupt in {dest} "
                          f"and no source is given: {[s.name for s in plan.fetch][:8]}")
@@ -547,7 +681,7 @@ def stage(dest: str, shards: list[Shard], sources: list[Source], *, verify: str 
     result = {"changed": bool(plan.fetch or plan.restamp), "fetched": [s.name for s in plan.fetch],
               "restamped": [s.name for s in plan.restamp], "corrupt": list(plan.corrupt),
               "ready": [s.name for s in plan.ready], "bytes_to_fetch": plan.remaining_bytes,
-              "sources_used": {}, "expected": len(shards)}
+              "sources_used": {}, "expected": len(shards), **_spot_result(plan, log)}
     if check_mode:
         result["present"] = len(plan.ready) + len(plan.restamp)
         return result
@@ -573,14 +707,17 @@ def make_plan_empty(shards: list[Shard]) -> Plan:
     return Plan(fetch=list(shards), remaining_bytes=sum(s.size for s in shards))
 
 
-def prove_present(dest: str, shards: list[Shard], verify: str = "stamp") -> dict:
+def prove_present(dest: str, shards: list[Shard], verify: str = "stamp", spot_chunks: int = 0,
+                  rng: random.Random | None = None) -> dict:
     """All N of N present and verified, or a StageError naming the ones that are not."""
-    plan = make_plan(dest, shards, verify) if os.path.isdir(dest) else make_plan_empty(shards)
+    plan = (make_plan(dest, shards, verify, spot_chunks, rng) if os.path.isdir(dest)
+            else make_plan_empty(shards))
     if plan.fetch:
+        failed = f" (spot check failed: {plan.spot_failed[:8]})" if plan.spot_failed else ""
         raise StageError(f"{len(plan.fetch)} of {len(shards)} shards are missing or corrupt in {dest}: "
-                         f"{[s.name for s in plan.fetch][:8]}")
+                         f"{[s.name for s in plan.fetch][:8]}{failed}")
     return {"changed": False, "present": len(shards), "expected": len(shards),
-            "unstamped": [s.name for s in plan.restamp]}
+            "unstamped": [s.name for s in plan.restamp], **_spot_result(plan, lambda _m: None)}
 
 
 # --- Ansible entry point -----------------------------------------------------------------------
@@ -602,6 +739,7 @@ def main() -> None:
             "sources": {"type": "list", "elements": "dict", "default": [], "options": source_spec},
             "state": {"type": "str", "default": "staged", "choices": ["staged", "verified"]},
             "verify": {"type": "str", "default": "stamp", "choices": ["stamp", "full"]},
+            "spot_chunks": {"type": "int", "default": 2},
             "retries": {"type": "int", "default": 2},
             "reserve_mb": {"type": "int", "default": 1024},
             "timeout": {"type": "int", "default": 60},
@@ -614,10 +752,11 @@ def main() -> None:
     try:
         shards = parse_shards(params["shards"])
         if params["state"] == "verified":
-            module.exit_json(**prove_present(params["dest"], shards, params["verify"]))
+            module.exit_json(**prove_present(params["dest"], shards, params["verify"], params["spot_chunks"]))
         sources = [make_source(spec, params["timeout"]) for spec in params["sources"]]
         result = stage(params["dest"], shards, sources, verify=params["verify"], retries=params["retries"],
-                       reserve=params["reserve_mb"] << 20, check_mode=module.check_mode, log=messages.append)
+                       reserve=params["reserve_mb"] << 20, check_mode=module.check_mode, log=messages.append,
+                       spot_chunks=params["spot_chunks"])
     except StageError as err:
         module.fail_json(msg=redact(str(err), secrets), log=[redact(m, secrets) for m in messages])
     module.exit_json(log=[redact(m, secrets) for m in messages], **result)
