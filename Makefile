@@ -25,7 +25,7 @@ CONTROLLER_DEBS := rsync openssh-client
 LAB_DEBS := docker.io debootstrap
 TEST_DEBS := gnupg chromium
 
-.PHONY: help prereqs lab-prereqs test-prereqs setup wheelhouse vllm-venv patchset lab-images lab-release-image lab-lines-image lab-up lab-down demo lint pytest molecule test clean
+.PHONY: help check-disk prereqs lab-prereqs test-prereqs setup wheelhouse vllm-venv patchset lab-images lab-release-image lab-lines-image lab-up lab-down demo lint pytest molecule test clean
 
 help:
 	@echo "make demo   - lab fleet up, site.yml against it, print the smoke report"
@@ -114,7 +114,11 @@ molecule: setup test-prereqs patchset lab-images lab-release-image $(if $(filter
 	$(BIN)/mlafleet lab model >/dev/null
 	for s in $(SCENARIOS); do $(BIN)/molecule test -s $$s; done
 
-test: test-prereqs lint pytest molecule
+# make test's disk: two controller-side vLLM venvs (12 GB), the wheelhouses (6 GB), the lab images
+# (14 GB) and the molecule hosts (up to 24 GB at once); measured in docs/performance.md.
+test: check-disk test-prereqs lint pytest molecule
+check-disk:
+	@scripts/check-disk 45 "make test"
 
 clean: lab-down
 	rm -rf $(VENV) .lab build reports
