@@ -96,3 +96,32 @@ def test_preflight_refuses_what_the_server_cannot_do_on_this_host(tmp_path: Path
     assert "preflight_allow_unauthenticated_server: true" in got["open"]["cause"]
     for name in ("fits", "keyed", "optout", "ipv6lo", "lo2"):
         assert got[name]["status"] == "ok", (name, got[name]["cause"])
+
+
+def test_preflight_refuses_a_jit_line_without_nvcc_and_names_both_ways_out(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.32.0 on a compute capability 12.0 GPU compiles kernels at run time: without nvcc the
+    host is refused before any change, unless the cuda_toolkit role runs first or the Triton switch
+    is on; 0.20.2 (no run-time compilation on 12.x) passes. The GPU is a STAND-IN nvidia-smi."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n# STAND-IN nvidia-smi (mlafleet test): no GPU here\n"
+                   "echo '0, NVIDIA RTX PRO 6000 Blackwell (STAND-IN), 12.0, 97887, 580.95.05'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin")
+    base = {"vllm_server_cuda_home": str(tmp_path / "no-cuda"), "mlafleet_gpu_stack": False}
+    got = run_preflight(tmp_path, {
+        "jit": {**base, "vllm_install_version": "0.32.0"},
+        "switch": {**base, "vllm_install_version": "0.32.0", "vllm_server_triton_sparse_mla": True},
+        "toolkit": {**base, "vllm_install_version": "0.32.0", "mlafleet_gpu_stack": True},
+        "old": {**base, "vllm_install_version": "0.20.2"},
+    })
+    assert got["jit"]["status"] == "failed"
+    cause = got["jit"]["cause"]
+    assert "vLLM 0.32.0 compiles its sparse-attention kernels with nvcc at run time" in cause
+    assert "RTX PRO 6000 Blackwell (STAND-IN) (compute capability 12.0)" in cause
+    assert f"{tmp_path / 'no-cuda'}/bin/nvcc does not exist" in cause
+    assert "the cuda_toolkit role" in cause and "vllm_server_triton_sparse_mla: true" in cause
+    for name in ("switch", "toolkit", "old"):
+        assert got[name]["status"] == "ok", (name, got[name]["cause"])
