@@ -11,6 +11,9 @@
 #                                          fp8_ds_mla KV, safetensors and GGUF, and the
 #                                          two mixed pairs (attention of one, indexer of the other)
 #   bench/engine_gpu.sh heads8 OUT_DIR     the same pair with 8 heads (one rank of GLM-5 at TP8)
+#   bench/engine_gpu.sh heads8-graphs-fp8|heads8-graphs-bf16 OUT_DIR   8 heads, compiled + CUDA
+#                                          graphs, one GPU (the issue-16 regime); -fp8-mixed after
+#                                          -fp8: the two mixed pairs in that regime
 #   bench/engine_gpu.sh control OUT_DIR    vLLM's own path with prefill chunks of 2048 tokens (compare
 #                                          with the single/heads8 references: vLLM's self-difference)
 #   bench/engine_gpu.sh tp2 OUT_DIR        tensor parallel 2 over GPUs 0,1 (32 heads per rank)
@@ -121,6 +124,14 @@ case ${1:-} in
     one ref8graphs-fp8 0 --model "$m8" $ref --graphs --kv fp8_ds_mla
     one ours8graphs-fp8 0 --model "$m8" $ours --graphs --kv fp8_ds_mla
     finish heads8-graphs-fp8 "$2" ref8graphs-fp8 ours8graphs-fp8 ;;
+  heads8-graphs-bf16)  # the same with the bf16 KV cache
+    one ref8graphs-bf16 0 --model "$m8" $ref --graphs
+    one ours8graphs-bf16 0 --model "$m8" $ours --graphs
+    finish heads8-graphs-bf16 "$2" ref8graphs-bf16 ours8graphs-bf16 ;;
+  heads8-graphs-fp8-mixed)  # where a difference comes from: each attention with the other's indexer
+    one mix8graphs-flashmla-free 0 --model "$m8" --backend FLASHMLA_SPARSE --indexer fallback --graphs --kv fp8_ds_mla
+    one mix8graphs-triton-deepgemm 0 --model "$m8" --backend TRITON_MLA_SPARSE --indexer deepgemm --graphs --kv fp8_ds_mla
+    finish heads8-graphs-fp8-mixed "$2" ref8graphs-fp8 mix8graphs-flashmla-free mix8graphs-triton-deepgemm ours8graphs-fp8 ;;
   graphs-fp8)
     lanes "one refgraphs-fp8 0 --model $m $ref --graphs --kv fp8_ds_mla" "one oursgraphs-fp8 1 --model $m $ours --graphs --kv fp8_ds_mla"
     finish graphs-fp8 "$2" refgraphs-fp8 oursgraphs-fp8 ;;
@@ -137,5 +148,5 @@ case ${1:-} in
       one "${spec%%:*}" 0,1 --model $m --tp 2 ${spec#*:}
     done
     finish tp2 "$2" reftp2-bf16 reftp2-fp8 ourstp2-bf16 ourstp2-fp8 ;;
-  *) echo "usage: $0 setup PARTS_DIR [--no-models] | single|heads8|heads8-graphs-fp8|control|graphs|graphs-fp8|fp8-alias|tp2|tp2-graphs|vllm-tests OUT_DIR" >&2; exit 2 ;;
+  *) echo "usage: $0 setup PARTS_DIR [--no-models] | single|heads8|heads8-graphs-fp8|heads8-graphs-bf16|heads8-graphs-fp8-mixed|control|graphs|graphs-fp8|fp8-alias|tp2|tp2-graphs|vllm-tests OUT_DIR" >&2; exit 2 ;;
 esac
