@@ -63,7 +63,7 @@ def test_every_variable_the_repository_sets_is_declared() -> None:
     """The lab and production example inventories and the molecule scenarios set only declared names."""
     from importlib.util import module_from_spec, spec_from_file_location
 
-    spec = spec_from_file_location("mlafleet_check_vars", REPO / "playbooks" / "action_plugins" / "mlafleet_check_vars.py")
+    spec = spec_from_file_location("mlafleet_check_vars", REPO / "plugins" / "action" / "mlafleet_check_vars.py")
     plugin = module_from_spec(spec)
     spec.loader.exec_module(plugin)
     declared, ours = plugin.declared_variables(), plugin.prefixes()

@@ -33,7 +33,7 @@ options:
     default: present
   patchsets:
     description:
-      - Built patch sets by vLLM version, each C({manifest: <manifest.json>, files: {path: text}}).
+      - "Built patch sets by vLLM version, each C({manifest: <manifest.json>, files: {path: text}})."
       - Required for I(state=present); for I(state=absent) the manifest in the backup is used.
     type: dict
     default: {}
@@ -41,16 +41,53 @@ options:
     description: Directory inside each install that holds the originals and the manifest.
     type: str
     default: mlafleet-patch-backup
+version_added: 0.3.0
+author: mlafleet maintainers
+attributes:
+  check_mode: {support: full, description: Checks every install and reports what would be patched or restored.}
+notes:
+  - The role mlafleet.fleet.vllm_patch reads the built patch set on the controller
+    (C(mlafleet patchset build --vllm <version>)), passes it as O(patchsets), then proves the
+    result in each install's own interpreter.
+"""
+
+EXAMPLES = r"""
+- name: Patch the current release's vLLM with the 0.20.2 patch set
+  mlafleet.fleet.mlafleet_vllm_patch:
+    installs: [/opt/mlafleet/current/venv]
+    patchsets:
+      "0.20.2":
+        manifest: "{{ lookup('ansible.builtin.file', 'build/patchset/0.20.2/manifest.json') | from_json }}"
+        files: "{{ my_patched_files }}"  # {path: text} of every patched and added file
+
+- name: Restore the original files byte for byte (the backup inside the install holds them)
+  mlafleet.fleet.mlafleet_vllm_patch:
+    installs: [/opt/mlafleet/current/venv]
+    state: absent
 """
 
 RETURN = r"""
 installs:
-  description: Per install, its vLLM version, site-packages and what was (or would be) done.
+  description:
+    - Per install, its vLLM version, site-packages, backup directory and what was (or would be) done
+      (V(present) - C(patched), C(added), C(distributions); V(absent) - C(restored), C(removed)).
   type: list
+  elements: dict
   returned: always
+  sample:
+    - install: /opt/mlafleet/releases/0.20.2-1a2b3c4d5e/venv
+      vllm_version: 0.20.2
+      site_packages: /opt/mlafleet/releases/0.20.2-1a2b3c4d5e/venv/lib/python3.11/site-packages
+      backup: /opt/mlafleet/releases/0.20.2-1a2b3c4d5e/venv/mlafleet-patch-backup
+      patched: [vllm/platforms/cuda.py]
+      added: [vllm/v1/attention/backends/mla/triton_mla_sparse.py]
+problems:
+  description: Why nothing was changed (files that hash to neither the original nor the patched sha256, ...).
+  type: list
+  elements: str
+  returned: failure, when the checks refused
 """
 
-import hashlib
 import json
 import os
 import shutil
@@ -58,6 +95,7 @@ import subprocess
 import tempfile
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.mlafleet.fleet.plugins.module_utils.digest import sha256_bytes, sha256_file
 
 PROBE = (
     "import importlib.util, importlib.metadata as md, json, os, sys\n"
@@ -84,18 +122,6 @@ VLLM = "vllm"
 
 class PatchError(Exception):
     pass
-
-
-def sha256_file(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def sha256_bytes(data):
-    return hashlib.sha256(data).hexdigest()
 
 
 def state_of(path, wanted):

@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/python
 """Merge a model's verified GGUF shards into one GGUF file, streamed.
 
 For vLLM versions that load a single GGUF file only. The merged file carries the first shard's
@@ -25,10 +25,61 @@ from typing import BinaryIO
 DOCUMENTATION = r"""
 module: gguf_weights_merge
 short_description: Stream verified GGUF shards into one GGUF file
+description:
+  - For vLLM versions that load a single GGUF file only. The merged file carries the first
+    shard's metadata without the C(split.*) keys and every shard's tensors, copied in order
+    chunk by chunk (never a whole file in memory), through C(<output>.partial) and a rename.
+  - A stamp beside the output (size, mtime, inputs) makes a re-run with the same shards a no-op.
+  - Fails before writing when the filesystem lacks space for the merged file.
+version_added: 0.3.0
+author: mlafleet maintainers
 options:
   dest: {description: Directory holding the shards., type: path, required: true}
   shards: {description: Shard file names in order., type: list, elements: str, required: true}
-  output: {description: The merged file., type: path, required: true}
+  output:
+    description: The merged file; must not be named like a shard (vLLM would look for its siblings).
+    type: path
+    required: true
+attributes:
+  check_mode: {support: full, description: Reports whether the merged file would be written.}
+notes:
+  - Stage and verify the shards first (M(mlafleet.fleet.gguf_weights_stage)); the role
+    mlafleet.fleet.gguf_weights does both with O(output) under the model's directory.
+"""
+
+EXAMPLES = r"""
+- name: Merge a model's two verified shards into one file
+  mlafleet.fleet.gguf_weights_merge:
+    dest: /var/lib/mlafleet/models/GLM-5-Q4_K_M
+    shards:
+      - GLM-5-Q4_K_M-00001-of-00002.gguf
+      - GLM-5-Q4_K_M-00002-of-00002.gguf
+    output: /var/lib/mlafleet/models/GLM-5-Q4_K_M/GLM-5-Q4_K_M.gguf
+"""
+
+RETURN = r"""
+output:
+  description: Path of the merged file.
+  type: str
+  returned: always
+  sample: /var/lib/mlafleet/models/GLM-5-Q4_K_M/GLM-5-Q4_K_M.gguf
+size:
+  description: Size of the merged file in bytes.
+  type: int
+  returned: when every shard is present
+tensors:
+  description: Number of tensors in the merged file.
+  type: int
+  returned: when every shard is present
+sha256:
+  description: sha256 of the merged file, computed while writing it.
+  type: str
+  returned: when the file was written
+missing:
+  description: Shards not present yet (in check mode only, as staging would bring them).
+  type: list
+  elements: str
+  returned: in check mode, when shards are missing
 """
 
 MAGIC = b"GGUF"
@@ -39,7 +90,8 @@ SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
 SHARD_RE = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 # GGUF metadata value types: id -> struct format of a scalar (8 = string, 9 = array).
 SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-STRING, ARRAY = 8, 9
+STRING = 8
+ARRAY = 9
 
 
 class MergeError(Exception):
