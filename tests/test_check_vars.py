@@ -45,10 +45,15 @@ def test_cli_warns_for_each_misspelled_variable_and_names_the_closest(tmp_path: 
 
 
 def test_ansible_playbook_site_yml_warns_first(tmp_path: Path) -> None:
-    # site.yml and rollback.yml import the check before anything else.
-    for playbook in ("site.yml", "rollback.yml"):
-        first = yaml.safe_load((REPO / playbook).read_text())[0]
-        assert first["ansible.builtin.import_playbook"] == "playbooks/check-vars.yml"
+    # site.yml and rollback.yml (the checkout's, and the collection's mlafleet.fleet.site and
+    # mlafleet.fleet.rollback they import) run the check before anything else.
+    def first_playbook(path: Path) -> Path:
+        first = yaml.safe_load(path.read_text())[0]
+        target = first.get("ansible.builtin.import_playbook")
+        return first_playbook(path.parent / target) if target else path
+
+    for playbook in ("site.yml", "rollback.yml", "playbooks/site.yml", "playbooks/rollback.yml"):
+        assert first_playbook(REPO / playbook) == REPO / "playbooks" / "check-vars.yml", playbook
     done = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inventory(tmp_path)),
                            str(REPO / "playbooks" / "check-vars.yml"), "-e", "vllm_server_hots=0.0.0.0"],
                           capture_output=True, text=True, check=False, timeout=120,
