@@ -14,14 +14,6 @@ u32 ggml type, u64 offset relative to the data section), zero padding to the ali
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import re
-import struct
-from dataclasses import dataclass
-from typing import BinaryIO
-
 DOCUMENTATION = r"""
 module: gguf_weights_merge
 short_description: Stream verified GGUF shards into one GGUF file
@@ -32,7 +24,7 @@ description:
   - A stamp beside the output (size, mtime, inputs) makes a re-run with the same shards a no-op.
   - Fails before writing when the filesystem lacks space for the merged file.
 version_added: 0.3.0
-author: mlafleet maintainers
+author: mlafleet maintainers (@mlafleet)
 options:
   dest: {description: Directory holding the shards., type: path, required: true}
   shards: {description: Shard file names in order., type: list, elements: str, required: true}
@@ -41,7 +33,9 @@ options:
     type: path
     required: true
 attributes:
-  check_mode: {support: full, description: Reports whether the merged file would be written.}
+  check_mode:
+    support: full
+    description: Reports whether the merged file would be written.
 notes:
   - Stage and verify the shards first (M(mlafleet.fleet.gguf_weights_stage)); the role
     mlafleet.fleet.gguf_weights does both with O(output) under the model's directory.
@@ -81,6 +75,14 @@ missing:
   elements: str
   returned: in check mode, when shards are missing
 """
+
+import hashlib
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass
+from typing import BinaryIO
 
 MAGIC = b"GGUF"
 CHUNK = 8 << 20
@@ -147,7 +149,7 @@ class _Reader:
             if item_type in SCALARS:
                 self.read(struct.calcsize("<" + SCALARS[item_type]) * count)
             else:
-                for _ in range(count):
+                for dummy in range(count):
                     self.value(item_type)
             return None
         raise MergeError(f"{self.path}: unknown GGUF metadata type {vtype}")
@@ -164,7 +166,7 @@ def read_header(path: str) -> Header:
             raise MergeError(f"{path}: GGUF version {version} is not supported (little-endian 2 or 3)")
         n_tensors, n_kv = reader.unpack("Q"), reader.unpack("Q")
         metadata = []
-        for _ in range(n_kv):
+        for dummy in range(n_kv):
             start = handle.tell()
             key = reader.string().decode("utf-8")
             value = reader.value(reader.unpack("I"))
@@ -172,12 +174,12 @@ def read_header(path: str) -> Header:
             handle.seek(start)
             metadata.append((key, handle.read(end - start), value))
         tensors = []
-        for _ in range(n_tensors):
+        for dummy in range(n_tensors):
             name = reader.string()
             n_dims = reader.unpack("I")
-            dims = tuple(reader.unpack("Q") for _ in range(n_dims))
+            dims = tuple(reader.unpack("Q") for dummy in range(n_dims))
             tensors.append(TensorInfo(name, dims, reader.unpack("I"), reader.unpack("Q")))
-        alignment = next((v for k, _, v in metadata if k == "general.alignment"), DEFAULT_ALIGNMENT)
+        alignment = next((v for k, dummy, v in metadata if k == "general.alignment"), DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise MergeError(f"{path}: general.alignment {alignment!r} is not a power of two")
         data_start = _align(handle.tell(), alignment)
@@ -205,7 +207,7 @@ def merged_header(headers: list[Header]) -> tuple[bytes, list[int]]:
     for header in headers:
         bases.append(base)
         base = _align(base + header.file_size - header.data_start, alignment)
-    metadata = [raw for key, raw, _ in first.metadata if key not in SPLIT_KEYS]
+    metadata = [raw for key, raw, dummy in first.metadata if key not in SPLIT_KEYS]
     infos = bytearray()
     names: set[bytes] = set()
     count = 0

@@ -23,24 +23,6 @@ hub with a bearer token that never appears in output), `path` (a local or shared
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
-import json
-import os
-import random
-import re
-import shlex
-import subprocess
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
-from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
-
-from ansible_collections.mlafleet.fleet.plugins.module_utils.digest import hash_file, sha256_file  # noqa: F401 (hash_file: the CLI)
-
 DOCUMENTATION = r"""
 module: gguf_weights_stage
 short_description: Stage GGUF shards verified against a sha256 manifest
@@ -51,7 +33,7 @@ description:
     fails at the end unless all N of N shards are present and verified.
   - The same code stages on the controller (C(mlafleet weights stage)).
 version_added: 0.3.0
-author: mlafleet maintainers
+author: mlafleet maintainers (@mlafleet)
 options:
   dest: {description: Directory that receives the shards., type: path, required: true}
   shards:
@@ -77,7 +59,7 @@ options:
         description: Directory holding the shards (V(path)); the peer's shard directory (V(peer), empty when its key restricts the login to it).
         type: str
       endpoint: {description: The hub's base URL (V(hub)); default https://huggingface.co., type: str}
-      repo: {description: The hub repository (V(hub)), e.g. C(org/model-GGUF)., type: str}
+      repo: {description: The hub repository (V(hub)) such as C(org/model-GGUF)., type: str}
       revision: {description: The hub revision (V(hub)); default C(main)., type: str}
       token: {description: Bearer token for the hub (V(hub)); never shown in output., type: str}
       host: {description: Address of the peer (V(peer))., type: str}
@@ -85,7 +67,9 @@ options:
       port: {description: SSH port of the peer (V(peer)); default 22., type: int}
       ssh_key: {description: Private key for the peer (V(peer))., type: str}
       known_hosts: {description: Known hosts file that holds the peer's host key (V(peer))., type: str}
-      rsh: {description: The whole remote shell command for rsync (V(peer)), instead of one built from the options above., type: str}
+      rsh:
+        description: The whole remote shell command for rsync (V(peer)), instead of one built from the options above.
+        type: str
   state:
     description: V(staged) fetches what is missing; V(verified) only proves that all shards are present.
     type: str
@@ -107,7 +91,9 @@ options:
   reserve_mb: {description: Free space to keep on the filesystem beyond the shards., type: int, default: 1024}
   timeout: {description: Network timeout in seconds., type: int, default: 60}
 attributes:
-  check_mode: {support: full, description: Plans (what would be fetched, how many bytes) without writing.}
+  check_mode:
+    support: full
+    description: Plans what would be fetched (and how many bytes) without writing.
 notes:
   - The role mlafleet.fleet.gguf_weights builds O(shards) from a manifest (C(mlafleet weights manifest))
     and O(sources) from its variables, with peer fan-out between hosts.
@@ -188,6 +174,25 @@ log:
   elements: str
   returned: O(state=staged)
 """
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import random
+import re
+import shlex
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol
+
+# hash_file is for the CLI (mlafleet weights manifest), which reaches it through this module
+from ansible_collections.mlafleet.fleet.plugins.module_utils.digest import hash_file, sha256_file  # noqa: F401 pylint: disable=unused-import
 
 CHUNK = 8 << 20
 # the manifest's per-chunk sha256 (what the spot check reads), mlafleet weights manifest's default
@@ -806,7 +811,7 @@ def main() -> None:
         "url": {"type": "str"}, "path": {"type": "str"}, "endpoint": {"type": "str"},
         "repo": {"type": "str"}, "revision": {"type": "str"}, "token": {"type": "str", "no_log": True},
         "host": {"type": "str"}, "user": {"type": "str"}, "port": {"type": "int"},
-        "ssh_key": {"type": "str"}, "known_hosts": {"type": "str"}, "rsh": {"type": "str"},
+        "ssh_key": {"type": "str", "no_log": False}, "known_hosts": {"type": "str"}, "rsh": {"type": "str"},
     }
     module = AnsibleModule(
         argument_spec={

@@ -18,7 +18,7 @@ description:
     O(stale_after) seconds is called stale and is broken only with O(break_stale=true).
   - Releases only a lock held by the same run id.
 version_added: 0.3.0
-author: mlafleet maintainers
+author: mlafleet maintainers (@mlafleet)
 options:
   path: {type: path, required: true, description: Lock file.}
   state:
@@ -31,7 +31,9 @@ options:
   stale_after: {type: int, default: 7200, description: Age in seconds after which a lock is stale.}
   break_stale: {type: bool, default: false, description: Remove a stale lock held by another run.}
 attributes:
-  check_mode: {support: full, description: Reports what it would take, break or release.}
+  check_mode:
+    support: full
+    description: Reports what it would take, break or release.
 notes:
   - The role mlafleet.fleet.rollout_lock wraps it with the rollout's run id and owner.
 """
@@ -122,7 +124,7 @@ def take(module: AnsibleModule, path: str, run: str, owner: str) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
         lock = read_lock(path) or {}
-        text, _ = describe(lock, time.time())
+        text, dummy = describe(lock, time.time())
         module.fail_json(msg=f"{path}: taken by another rollout at the same moment: {text}", lock=lock)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(content + "\n")
@@ -151,7 +153,7 @@ def main() -> None:
         if lock is None:
             module.exit_json(changed=False, msg="no lock")
         if lock.get("run") != p["run"]:
-            text, _ = describe(lock, now)
+            text, dummy = describe(lock, now)
             module.fail_json(msg=f"{p['path']} is held by another run, not releasing it: {text}", lock=lock)
         if not module.check_mode:
             os.unlink(p["path"])
@@ -180,7 +182,7 @@ def main() -> None:
         take(module, p["path"], p["run"], p["owner"])
     if broken is None:
         module.exit_json(changed=True, msg="taken", broken=None)
-    text, _ = describe(broken, now)
+    text, dummy = describe(broken, now)
     msg = f"{p['path']}: broke the stale lock of {text} (rollout_lock_break=true) and took it"
     module.exit_json(changed=True, msg=msg, broken=broken, warnings=[msg])
 

@@ -42,9 +42,11 @@ options:
     type: str
     default: mlafleet-patch-backup
 version_added: 0.3.0
-author: mlafleet maintainers
+author: mlafleet maintainers (@mlafleet)
 attributes:
-  check_mode: {support: full, description: Checks every install and reports what would be patched or restored.}
+  check_mode:
+    support: full
+    description: Checks every install and reports what would be patched or restored.
 notes:
   - The role mlafleet.fleet.vllm_patch reads the built patch set on the controller
     (C(mlafleet patchset build --vllm <version>)), passes it as O(patchsets), then proves the
@@ -249,7 +251,7 @@ def file_map(patchset):
 # ---- present -------------------------------------------------------------------------------
 
 def plan_present(install, patchsets, backup_subdir):
-    names = [n for ps in patchsets.values() for n, _ in other_distributions(ps["manifest"])]
+    names = [n for ps in patchsets.values() for n, dummy in other_distributions(ps["manifest"])]
     python, version, site, found = probe(install, names)
     if version not in patchsets:
         raise PatchError("%s: vLLM %s has no patch set (supported: %s)"
@@ -349,7 +351,7 @@ def undo_present(plan):
 # ---- absent --------------------------------------------------------------------------------
 
 def plan_absent(install, backup_subdir):
-    python, version, site, _ = probe(install)
+    python, version, site, dummy = probe(install)
     backup = os.path.join(install, backup_subdir, version)
     plan = {"install": install, "python": python, "version": version, "site": site, "backup": backup,
             "restore": [], "remove": [], "problems": [], "created_dirs": [], "has_backup": False}
@@ -360,7 +362,7 @@ def plan_absent(install, backup_subdir):
     with open(manifest_path) as handle:
         manifest = json.load(handle)
     if other_distributions(manifest):
-        found = probe(install, [n for n, _ in other_distributions(manifest)])[3]
+        found = probe(install, [n for n, dummy in other_distributions(manifest)])[3]
     else:
         found = {}
     sites, labels = distribution_sites(install, version, site, found, manifest, plan["problems"])
@@ -426,7 +428,7 @@ def summary(plan, state):
         out["patched"] = [t["path"] for t in plan["patch"]]
         out["added"] = [a["path"] for a in plan["add"]]
     else:
-        out["restored"] = [p for p, _ in plan["restore"]]
+        out["restored"] = [p for p, dummy in plan["restore"]]
         out["removed"] = list(plan["remove"])
     return out
 
