@@ -1,5 +1,6 @@
 #!/bin/bash
-# On the GPU machine (H200 image, from the repository root): the patched vLLM 0.20.2 engine end to end.
+# On the GPU machine (H200 image, from the repository root): the patched vLLM engine end to end,
+# the line bench/engine_bundle.sh packed (0.20.2 on the image's torch; 0.32.0 on torch 2.13.0).
 #
 #   bench/engine_gpu.sh setup PARTS_DIR    unpack bench/engine_bundle.sh's parts into a venv (the
 #                                          image's torch behind it), patch that venv with the
@@ -11,12 +12,16 @@
 #                                          fp8_ds_mla KV, safetensors and GGUF, and the
 #                                          two mixed pairs (attention of one, indexer of the other)
 #   bench/engine_gpu.sh heads8 OUT_DIR     the same pair with 8 heads (one rank of GLM-5 at TP8)
+#   bench/engine_gpu.sh heads8-graphs-fp8|heads8-graphs-bf16 OUT_DIR   8 heads, compiled + CUDA
+#                                          graphs, one GPU (the issue-16 regime); -fp8-mixed after
+#                                          -fp8: the two mixed pairs in that regime
 #   bench/engine_gpu.sh control OUT_DIR    vLLM's own path with prefill chunks of 2048 tokens (compare
 #                                          with the single/heads8 references: vLLM's self-difference)
 #   bench/engine_gpu.sh tp2 OUT_DIR        tensor parallel 2 over GPUs 0,1 (32 heads per rank)
-#   bench/engine_gpu.sh vllm-tests OUT_DIR vLLM's own tests/v1/attention/test_sparse_mla_backends.py
-#                                          (0.20.2 sdist) with TRITON_MLA_SPARSE added to its backends
-#                                          (bench/vllm_sparse_mla_plugin.py), on the patched install
+#   bench/engine_gpu.sh vllm-tests OUT_DIR [FIRST]  vLLM's own tests/v1/attention/test_sparse_mla_backends.py
+#                                          (the line's sdist) with TRITON_MLA_SPARSE added to its backends
+#                                          (bench/vllm_sparse_mla_plugin.py), on the patched install,
+#                                          from its FIRST-th item on (default 1)
 #   (setup PARTS_DIR --no-models skips the tiny GLM-5, which only the engine phases need)
 #
 # Every run writes /tmp/e2e/results/<name>.json (bench/engine_e2e.py) and <name>.log; the phase
@@ -28,6 +33,11 @@ work=/tmp/e2e venv=/tmp/e2e/venv models=/tmp/e2e/models results=/tmp/e2e/results
 # all-reduce is kept off with it.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} VLLM_CACHE_ROOT=$work/cache PYTHONUNBUFFERED=1
+# 0.32.0's torch 2.13.0 was built with cuDNN 9.20, the image has 9.19 (same soname): only a cuDNN
+# call checks it, and no sparse-MLA path makes one (bench/engine_bundle.sh)
+export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1
+# the line the bundle holds (bench/engine_bundle.sh writes it; older bundles are 0.20.2)
+line=$(cat "$work/bundle/VERSION" 2>/dev/null || echo 0.20.2)
 
 setup() {
   set -e
@@ -38,7 +48,11 @@ setup() {
   local site image
   site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   image=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  echo "$image" > "$site/zz-gpu-image-site.pth"   # torch 2.11.0+cu130, triton: the image's own
+  # behind the venv's own packages: the image's (0.20.2: its torch 2.11.0+cu130 and Triton too)
+  echo "$image" > "$site/zz-gpu-image-site.pth"
+  # 0.32.0: torch 2.13.0, Triton 3.7.1, NCCL 2.29.7, torchvision 0.28.0 in front of the image's
+  [ ! -d "$work/bundle/wheels/torch" ] ||
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$work"/bundle/wheels/torch/*.whl
   xz -d -T0 < "$work/bundle/vllm-site.tar.xz" | tar -C "$site" -xf -
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$work"/bundle/wheels/vllm/*.whl
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$work/ansible" "$work"/bundle/wheels/ansible/*.whl
@@ -46,7 +60,7 @@ setup() {
   LC_ALL=C.UTF-8 PYTHONPATH="$work/ansible" ANSIBLE_ROLES_PATH="$PWD/roles" ANSIBLE_LOCALHOST_WARNING=False \
     ANSIBLE_NOCOLOR=1 python3 "$work/ansible/bin/ansible-playbook" -i localhost, bench/engine_patch.yml \
     -e engine_venv="$venv" -e ansible_python_interpreter="$(command -v python3)" -v | tail -25
-  "$venv/bin/python" -c "import vllm, torch; from vllm.v1.attention.backends.registry import AttentionBackendEnum as E; print('vllm', vllm.__version__, 'torch', torch.__version__, E.TRITON_MLA_SPARSE.get_path())"
+  "$venv/bin/python" -c "import vllm, torch, triton; from vllm.v1.attention.backends.registry import AttentionBackendEnum as E; print('vllm', vllm.__version__, 'torch', torch.__version__, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version(), E.TRITON_MLA_SPARSE.get_path())"
   mkdir -p "$work/vllm-tests" && xz -d -T0 < "$work/bundle/vllm-tests.tar.xz" | tar -C "$work/vllm-tests" -xf -
   [ "${2:-}" = --no-models ] && return
   echo "== tiny GLM-5"
@@ -95,12 +109,24 @@ ref="--backend FLASHMLA_SPARSE --indexer deepgemm" ours="--backend TRITON_MLA_SP
 case ${1:-} in
   setup) setup "$2" "${3:-}" ;;
   vllm-tests)
-    # the whole file: vLLM's own backends as they run on this GPU, and ours added
-    # offline: the model config the tests read comes from the bundle's seeded cache
-    (cd "$work/vllm-tests" && HF_HOME="$work/bundle/hf-home" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-       PYTHONPATH="$OLDPWD/bench" timeout 560 "$venv/bin/python" -m pytest \
-       -p vllm_sparse_mla_plugin -p no:cacheprovider -q -rfE --tb=line --durations=5 --maxfail=25 \
-       tests/v1/attention/test_sparse_mla_backends.py) 2>&1 | tee "$2/vllm-tests-0.20.2.txt" | tail -40 ;;
+    # the whole file: vLLM's own backends as they run on this GPU, and ours added; offline (the
+    # model config the tests read comes from the bundle's seeded cache). The 0.20.2 file needs
+    # about 1000 s, more than one call: `vllm-tests OUT_DIR FIRST` runs its items from the
+    # FIRST-th on (1-based, in the file's collection order), so a second call takes the rest.
+    first=${3:-1}
+    (cd "$work/vllm-tests" && export HF_HOME="$work/bundle/hf-home" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+       PYTHONPATH="$OLDPWD/bench" && plugin=(-p vllm_sparse_mla_plugin -p no:cacheprovider) &&
+     "$venv/bin/python" -m pytest "${plugin[@]}" -q --collect-only tests/v1/attention/test_sparse_mla_backends.py |
+       grep '::' | tail -n +"$first" > "$work/vllm-tests-ids.txt"
+     [ -s "$work/vllm-tests-ids.txt" ] || { echo "no test items collected from item $first on"; exit 1; }
+     echo "items $first.. of the file: $(wc -l < "$work/vllm-tests-ids.txt")" &&
+     timeout 540 "$venv/bin/python" - "${plugin[@]}" -q -rfE --tb=line --durations=5 --maxfail=25 <<PY
+import sys, pytest
+ids = open("$work/vllm-tests-ids.txt").read().splitlines()
+sys.exit(pytest.main(sys.argv[1:] + ids))
+PY
+    ) > "$2/vllm-tests-$line-from-$first.txt" 2>&1
+    tail -30 "$2/vllm-tests-$line-from-$first.txt" ;;
   single)
     # the two mixed pairs (vLLM's attention with our indexer and the reverse) tell which part a
     # difference comes from
@@ -121,6 +147,14 @@ case ${1:-} in
     one ref8graphs-fp8 0 --model "$m8" $ref --graphs --kv fp8_ds_mla
     one ours8graphs-fp8 0 --model "$m8" $ours --graphs --kv fp8_ds_mla
     finish heads8-graphs-fp8 "$2" ref8graphs-fp8 ours8graphs-fp8 ;;
+  heads8-graphs-bf16)  # the same with the bf16 KV cache
+    one ref8graphs-bf16 0 --model "$m8" $ref --graphs
+    one ours8graphs-bf16 0 --model "$m8" $ours --graphs
+    finish heads8-graphs-bf16 "$2" ref8graphs-bf16 ours8graphs-bf16 ;;
+  heads8-graphs-fp8-mixed)  # where a difference comes from: each attention with the other's indexer
+    one mix8graphs-flashmla-free 0 --model "$m8" --backend FLASHMLA_SPARSE --indexer fallback --graphs --kv fp8_ds_mla
+    one mix8graphs-triton-deepgemm 0 --model "$m8" --backend TRITON_MLA_SPARSE --indexer deepgemm --graphs --kv fp8_ds_mla
+    finish heads8-graphs-fp8-mixed "$2" ref8graphs-fp8 mix8graphs-flashmla-free mix8graphs-triton-deepgemm ours8graphs-fp8 ;;
   graphs-fp8)
     lanes "one refgraphs-fp8 0 --model $m $ref --graphs --kv fp8_ds_mla" "one oursgraphs-fp8 1 --model $m $ours --graphs --kv fp8_ds_mla"
     finish graphs-fp8 "$2" refgraphs-fp8 oursgraphs-fp8 ;;
@@ -137,5 +171,5 @@ case ${1:-} in
       one "${spec%%:*}" 0,1 --model $m --tp 2 ${spec#*:}
     done
     finish tp2 "$2" reftp2-bf16 reftp2-fp8 ourstp2-bf16 ourstp2-fp8 ;;
-  *) echo "usage: $0 setup PARTS_DIR [--no-models] | single|heads8|heads8-graphs-fp8|control|graphs|graphs-fp8|fp8-alias|tp2|tp2-graphs|vllm-tests OUT_DIR" >&2; exit 2 ;;
+  *) echo "usage: $0 setup PARTS_DIR [--no-models] | single|heads8|heads8-graphs-fp8|heads8-graphs-bf16|heads8-graphs-fp8-mixed|control|graphs|graphs-fp8|fp8-alias|tp2|tp2-graphs OUT_DIR | vllm-tests OUT_DIR [FIRST]" >&2; exit 2 ;;
 esac

