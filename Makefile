@@ -26,7 +26,7 @@ CONTROLLER_DEBS := rsync openssh-client
 LAB_DEBS := docker.io debootstrap
 TEST_DEBS := gnupg chromium
 
-.PHONY: help check-disk prereqs lab-prereqs test-prereqs setup wheelhouse vllm-venv patchset lab-images lab-release-image lab-lines-image lab-up lab-down demo lint pytest molecule test clean
+.PHONY: help check-disk prereqs lab-prereqs test-prereqs setup wheelhouse vllm-venv patchset lab-images lab-release-image lab-lines-image lab-up lab-down demo lint sanity pytest molecule test clean
 
 help:
 	@echo "make demo   - lab fleet up, site.yml against it, print the smoke report"
@@ -98,9 +98,26 @@ demo: wheelhouse patchset lab-up
 	@echo "== smoke report (reports/demo) =="
 	$(BIN)/mlafleet smoke-report reports/demo
 
-lint: setup
+lint: setup sanity
 	$(BIN)/yamllint -s .
 	$(BIN)/ansible-lint -q --profile production
+
+# ansible-test sanity for the collection's modules and module_utils, on the controller's Python
+# and without containers. ansible-test wants the collection at ansible_collections/mlafleet/fleet
+# outside any git checkout (inside one it tests only tracked files): a copy of them goes to a
+# temporary directory. Offline only the tests without requirements of their own run (the others,
+# validate-modules, pep8, pylint, import, yamllint, ansible-doc, bootstrap pip into a venv per
+# test from the network); tests/test_collection.py runs the same list.
+SANITY_TESTS := compile shebang line-endings no-smart-quotes empty-init no-assert no-get-exception \
+  no-illegal-filenames replace-urlopen use-argspec-type-path use-compat-six symlinks runtime-metadata
+sanity: setup
+	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && dir=$$tmp/ansible_collections/mlafleet/fleet && \
+	mkdir -p $$dir/plugins && cp galaxy.yml README.md $$dir/ && cp -r meta $$dir/ && \
+	cp -r plugins/modules plugins/module_utils $$dir/plugins/ && \
+	find $$dir -name __pycache__ -prune -exec rm -rf {} + && \
+	cd $$dir && $(CURDIR)/$(BIN)/ansible-test sanity --local --color no \
+	  --python "$$($(CURDIR)/$(BIN)/python -c 'import sys; print("%d.%d" % sys.version_info[:2])')" \
+	  $(addprefix --test ,$(SANITY_TESTS)) plugins/modules/ plugins/module_utils/
 
 # Kernel tests run on the CPU under Triton's interpreter: with the controller's Triton 3.6.0 (the
 # 0.20.2 line's) in the full suite, then once more with the 0.32.0 line's Triton 3.7.1 (its venv;

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 REPO = Path(__file__).resolve().parent.parent
-CHECK_VARS_PLUGIN = REPO / "playbooks" / "action_plugins" / "mlafleet_check_vars.py"
+CHECK_VARS_PLUGIN = REPO / "plugins" / "action" / "mlafleet_check_vars.py"
 
 # Which playbook each command runs, and whether it runs in check mode.
 COMMAND_PLAYBOOKS: dict[str, tuple[str, bool]] = {

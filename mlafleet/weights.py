@@ -4,7 +4,7 @@
   with the `gguf` package and checks that split.no / split.count / split.tensors.count agree
   and that the shards belong to one model, then writes a JSON manifest.
 - `stage`, `verify` and `merge` run the same host-side code that the gguf_weights role ships to
-  hosts (roles/gguf_weights/library/), here on the controller or a shared filesystem.
+  hosts (the collection's modules, plugins/modules/), here on the controller or a shared filesystem.
 - `serve DIR` runs a ranged HTTP mirror (mlafleet.weights_mirror).
 
 The module imports only the standard library at import time (the CLI builds every subparser).
@@ -28,7 +28,11 @@ from types import ModuleType
 from typing import IO, Callable
 
 REPO = Path(__file__).resolve().parent.parent
-LIBRARY = REPO / "roles" / "gguf_weights" / "library"
+# The collection's modules; the staging module imports its sha256 from the collection's
+# module_utils (ansible_collections.mlafleet.fleet.plugins.module_utils), which the checkout's
+# collections/ (ansible_collections/mlafleet/fleet -> the repository root) makes importable.
+LIBRARY = REPO / "plugins" / "modules"
+COLLECTIONS = REPO / "collections"
 MANIFEST_FORMAT = "mlafleet-gguf-manifest/1"
 SHARD_RE = re.compile(r"^(?P<model>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 CHUNK = 8 << 20
@@ -44,6 +48,8 @@ def _load_library(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"mlafleet_role_{name}", path)
     if spec is None or spec.loader is None or not path.is_file():
         raise WeightsError(f"{path} is missing: run mlafleet from its repository checkout")
+    if str(COLLECTIONS) not in sys.path:
+        sys.path.append(str(COLLECTIONS))
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve their module through sys.modules
     spec.loader.exec_module(module)
@@ -52,13 +58,13 @@ def _load_library(name: str) -> ModuleType:
 
 @functools.cache
 def stager() -> ModuleType:
-    """The host-side staging code (roles/gguf_weights/library/gguf_weights_stage.py)."""
+    """The host-side staging code (plugins/modules/gguf_weights_stage.py)."""
     return _load_library("gguf_weights_stage")
 
 
 @functools.cache
 def merger() -> ModuleType:
-    """The host-side streamed merge (roles/gguf_weights/library/gguf_weights_merge.py)."""
+    """The host-side streamed merge (plugins/modules/gguf_weights_merge.py)."""
     return _load_library("gguf_weights_merge")
 
 

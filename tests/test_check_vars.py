@@ -1,4 +1,4 @@
-"""playbooks/check-vars.yml (action mlafleet_check_vars): misspelled variables are named, with the closest
+"""playbooks/check_vars.yml (action mlafleet_check_vars): misspelled variables are named, with the closest
 declared name, on the controller before anything else; real ansible-runner and ansible-playbook runs."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def inventory(tmp_path: Path) -> Path:
 def test_cli_warns_for_each_misspelled_variable_and_names_the_closest(tmp_path: Path) -> None:
     out = io.StringIO()
     report = runner.run_playbook(
-        "rollout", [inventory(tmp_path)], run="cv-1", out=out, playbook="playbooks/check-vars.yml",
+        "rollout", [inventory(tmp_path)], run="cv-1", out=out, playbook="playbooks/check_vars.yml",
         extravars=runner.parse_extra_vars(["vllm_verison=0.20.3", "mlafleet_seral=1", "vllm_install_version=0.20.2"]),
         runner_root=tmp_path / "runner", report_root=tmp_path / "reports")
     assert report["rc"] == 0  # a warning, not a refusal
@@ -45,12 +45,17 @@ def test_cli_warns_for_each_misspelled_variable_and_names_the_closest(tmp_path: 
 
 
 def test_ansible_playbook_site_yml_warns_first(tmp_path: Path) -> None:
-    # site.yml and rollback.yml import the check before anything else.
-    for playbook in ("site.yml", "rollback.yml"):
-        first = yaml.safe_load((REPO / playbook).read_text())[0]
-        assert first["ansible.builtin.import_playbook"] == "playbooks/check-vars.yml"
+    # site.yml and rollback.yml (the checkout's, and the collection's mlafleet.fleet.site and
+    # mlafleet.fleet.rollback they import) run the check before anything else.
+    def first_playbook(path: Path) -> Path:
+        first = yaml.safe_load(path.read_text())[0]
+        target = first.get("ansible.builtin.import_playbook")
+        return first_playbook(path.parent / target) if target else path
+
+    for playbook in ("site.yml", "rollback.yml", "playbooks/site.yml", "playbooks/rollback.yml"):
+        assert first_playbook(REPO / playbook) == REPO / "playbooks" / "check_vars.yml", playbook
     done = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inventory(tmp_path)),
-                           str(REPO / "playbooks" / "check-vars.yml"), "-e", "vllm_server_hots=0.0.0.0"],
+                           str(REPO / "playbooks" / "check_vars.yml"), "-e", "vllm_server_hots=0.0.0.0"],
                           capture_output=True, text=True, check=False, timeout=120,
                           env={"ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "PATH": "/usr/bin:/bin",
                                "ANSIBLE_LOCAL_TEMP": str(tmp_path / "tmp"), "HOME": str(tmp_path)})
@@ -63,7 +68,7 @@ def test_every_variable_the_repository_sets_is_declared() -> None:
     """The lab and production example inventories and the molecule scenarios set only declared names."""
     from importlib.util import module_from_spec, spec_from_file_location
 
-    spec = spec_from_file_location("mlafleet_check_vars", REPO / "playbooks" / "action_plugins" / "mlafleet_check_vars.py")
+    spec = spec_from_file_location("mlafleet_check_vars", REPO / "plugins" / "action" / "mlafleet_check_vars.py")
     plugin = module_from_spec(spec)
     spec.loader.exec_module(plugin)
     declared, ours = plugin.declared_variables(), plugin.prefixes()

@@ -89,6 +89,8 @@ def play(tmp_path: Path, venv: Path, build_dir: Path, state: str = "present", ch
     playbook.write_text(json.dumps([{"hosts": "localhost", "gather_facts": False,
                                      "roles": [{"role": "vllm_patch", "vars": variables}]}]))
     env = {**os.environ, "ANSIBLE_ROLES_PATH": str(REPO / "roles"), "ANSIBLE_NOCOLOR": "1",
+           # the role calls the collection's module by name (mlafleet.fleet.mlafleet_vllm_patch)
+           "ANSIBLE_COLLECTIONS_PATH": str(REPO / "collections"),
            "ANSIBLE_LOCALHOST_WARNING": "0", "ANSIBLE_INVENTORY_UNPARSED_WARNING": "0",
            "PATH": f"{BIN}:{os.environ['PATH']}"}
     cmd = [str(BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local",

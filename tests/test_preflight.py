@@ -15,7 +15,7 @@ from mlafleet import runner
 
 REPO = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location(
-    "preflight_parallel", REPO / "roles" / "preflight" / "filter_plugins" / "preflight_parallel.py")
+    "preflight_parallel", REPO / "plugins" / "filter" / "preflight_parallel.py")
 plugin = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(plugin)
 

@@ -20,7 +20,7 @@ from weights_support import TOKEN, hub, mirror, write_model
 from mlafleet import weights
 
 REPO = Path(__file__).resolve().parent.parent
-PLUGIN = REPO / "roles" / "gguf_weights" / "filter_plugins" / "gguf_weights_fanout.py"
+PLUGIN = REPO / "plugins" / "filter" / "gguf_weights_fanout.py"
 _spec = importlib.util.spec_from_file_location("gguf_weights_fanout", PLUGIN)
 fanout_module = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fanout_module)
@@ -79,6 +79,8 @@ def run_role(tmp_path: Path, extra: dict, *args: str) -> tuple[subprocess.Comple
     extra_file = tmp_path / "extra.json"
     extra_file.write_text(json.dumps({"ansible_python_interpreter": sys.executable, **extra}))
     env = {**os.environ, "ANSIBLE_ROLES_PATH": str(REPO / "roles"), "ANSIBLE_STDOUT_CALLBACK": "json",
+           # the role calls the collection's modules and filters by name (mlafleet.fleet.gguf_weights_stage)
+           "ANSIBLE_COLLECTIONS_PATH": str(REPO / "collections"),
            "ANSIBLE_LOCAL_TEMP": str(tmp_path / ".ansible-tmp"), "ANSIBLE_NOCOLOR": "1",
            "ANSIBLE_DEPRECATION_WARNINGS": "0"}
     done = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "-c", "local",

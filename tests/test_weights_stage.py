@@ -1,11 +1,12 @@
 """Staging: HTTP mirror with resume, local path, peer rsync, hub token, stamps, space, corruption.
 
 Everything runs the host-side module the gguf_weights role ships
-(roles/gguf_weights/library/gguf_weights_stage.py) against real files and real servers.
+(plugins/modules/gguf_weights_stage.py) against real files and real servers.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -379,17 +380,25 @@ def test_check_manifest_accepts_a_complete_one() -> None:
 
 
 def test_host_module_needs_only_the_standard_library() -> None:
-    """Hosts have Debian's python3 and nothing else: the module must import with -I -S."""
+    """Hosts have Debian's python3 and nothing else: the module must import with -I -S, given only
+    what Ansible ships with it (the collection's module_utils, on the path as in AnsiballZ)."""
     code = textwrap.dedent(f"""
         import importlib.util, sys
+        sys.path.insert(0, {str(weights.COLLECTIONS)!r})
         spec = importlib.util.spec_from_file_location("m", {str(weights.LIBRARY / 'gguf_weights_stage.py')!r})
         module = importlib.util.module_from_spec(spec); sys.modules["m"] = module; spec.loader.exec_module(module)
         spec = importlib.util.spec_from_file_location("g", {str(weights.LIBRARY / 'gguf_weights_merge.py')!r})
         module = importlib.util.module_from_spec(spec); sys.modules["g"] = module; spec.loader.exec_module(module)
         print(sorted(n for n in sys.modules if n.split(".")[0] in ("ansible", "gguf", "numpy", "yaml")))
+        print(sorted(n for n in sys.modules if n.startswith("ansible_collections.")))
     """)
     out = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    third_party, collection = out.stdout.splitlines()
+    assert third_party == "[]"
+    # Only the collection's own module_utils (the namespace packages above it included).
+    assert ast.literal_eval(collection)[-1] == "ansible_collections.mlafleet.fleet.plugins.module_utils.digest"
+    assert all("ansible_collections.mlafleet.fleet.plugins.module_utils.digest".startswith(n)
+               for n in ast.literal_eval(collection))
 
 
 def _flip(path: Path, offset: int) -> None:
@@ -435,7 +444,12 @@ def test_every_run_spot_checks_chunks_and_finds_a_silent_flip(chunked, tmp_path:
     # two random chunks a shard (what the role does by default) read exactly that much
     quick = host.prove_present(str(dest), [shards[0], shards[2]], spot_chunks=2)
     assert quick["spot_check"]["shards"] == 2 and quick["spot_check"]["chunks"] == 4
-    assert quick["spot_check"]["bytes"] == 4 * (64 << 10)
+    # exactly the picked chunks' bytes: 64 KiB each, but a shard's last chunk is shorter
+    full = 64 << 10
+    tails = [s.size - (len(s.chunks) - 1) * full for s in (shards[0], shards[2])]
+    assert all(0 < t < full for t in tails)
+    assert quick["spot_check"]["bytes"] in {4 * full, 3 * full + tails[0], 3 * full + tails[1],
+                                            2 * full + tails[0] + tails[1]}
     assert "4 chunks" in quick["spot_check"]["summary"] and " s" in quick["spot_check"]["summary"]
     # enough chunks to cover the shard: the flip is found however the picks fall
     every = len(shards[1].chunks)

@@ -32,8 +32,8 @@ vars="{\"ansible_python_interpreter\": \"$(command -v python3)\", \"preflight_mi
   \"nvidia_driver_version\": \"$ver\", \"nvidia_driver_expected_gpu_count\": $count,
   \"nvidia_driver_expected_compute_capability\": \"$cc\", \"cuda_toolkit_home\": \"$home\"}"
 run() { "${playbook[@]}" -c local -i localhost, -e "$vars" "$@"; }
-echo "== playbooks/gpu-stack-verify.yml (flavour $flavour, driver $ver, $count GPUs, cc $cc, CUDA home $home)"
-run playbooks/gpu-stack-verify.yml -e nvidia_driver_flavour="$flavour"; echo "rc=$?"
+echo "== playbooks/gpu_stack_verify.yml (flavour $flavour, driver $ver, $count GPUs, cc $cc, CUDA home $home)"
+run playbooks/gpu_stack_verify.yml -e nvidia_driver_flavour="$flavour"; echo "rc=$?"
 other=open; [ "$flavour" = open ] && other=proprietary
 echo "== validation with nvidia_driver_flavour=$other"
 run molecule/gpu-stack/validate-only.yml -e nvidia_driver_flavour="$other"; echo "rc=$?"

@@ -87,7 +87,8 @@ class CallbackModule(CallbackBase):
         play = self.plays[-1]
         if host not in play["hosts"]:
             play["hosts"].append(host)
-        role = task._role.get_name() if task._role else ""
+        # the role's own name (vllm_install), also when a playbook names it mlafleet.fleet.vllm_install
+        role = task._role.get_name(include_role_fqcn=False) if task._role else ""
         segments = self.hosts.setdefault(host, [])
         last = segments[-1] if segments else None
         if not (last and last["play"] == play["index"] and last["role"] == role and last["status"] not in

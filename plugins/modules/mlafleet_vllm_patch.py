@@ -33,7 +33,7 @@ options:
     default: present
   patchsets:
     description:
-      - Built patch sets by vLLM version, each C({manifest: <manifest.json>, files: {path: text}}).
+      - "Built patch sets by vLLM version, each C({manifest: <manifest.json>, files: {path: text}})."
       - Required for I(state=present); for I(state=absent) the manifest in the backup is used.
     type: dict
     default: {}
@@ -41,16 +41,55 @@ options:
     description: Directory inside each install that holds the originals and the manifest.
     type: str
     default: mlafleet-patch-backup
+version_added: 0.3.0
+author: mlafleet maintainers (@mlafleet)
+attributes:
+  check_mode:
+    support: full
+    description: Checks every install and reports what would be patched or restored.
+notes:
+  - The role mlafleet.fleet.vllm_patch reads the built patch set on the controller
+    (C(mlafleet patchset build --vllm <version>)), passes it as O(patchsets), then proves the
+    result in each install's own interpreter.
+"""
+
+EXAMPLES = r"""
+- name: Patch the current release's vLLM with the 0.20.2 patch set
+  mlafleet.fleet.mlafleet_vllm_patch:
+    installs: [/opt/mlafleet/current/venv]
+    patchsets:
+      "0.20.2":
+        manifest: "{{ lookup('ansible.builtin.file', 'build/patchset/0.20.2/manifest.json') | from_json }}"
+        files: "{{ my_patched_files }}"  # {path: text} of every patched and added file
+
+- name: Restore the original files byte for byte (the backup inside the install holds them)
+  mlafleet.fleet.mlafleet_vllm_patch:
+    installs: [/opt/mlafleet/current/venv]
+    state: absent
 """
 
 RETURN = r"""
 installs:
-  description: Per install, its vLLM version, site-packages and what was (or would be) done.
+  description:
+    - Per install, its vLLM version, site-packages, backup directory and what was (or would be) done
+      (V(present) - C(patched), C(added), C(distributions); V(absent) - C(restored), C(removed)).
   type: list
+  elements: dict
   returned: always
+  sample:
+    - install: /opt/mlafleet/releases/0.20.2-1a2b3c4d5e/venv
+      vllm_version: 0.20.2
+      site_packages: /opt/mlafleet/releases/0.20.2-1a2b3c4d5e/venv/lib/python3.11/site-packages
+      backup: /opt/mlafleet/releases/0.20.2-1a2b3c4d5e/venv/mlafleet-patch-backup
+      patched: [vllm/platforms/cuda.py]
+      added: [vllm/v1/attention/backends/mla/triton_mla_sparse.py]
+problems:
+  description: Why nothing was changed (files that hash to neither the original nor the patched sha256, ...).
+  type: list
+  elements: str
+  returned: failure, when the checks refused
 """
 
-import hashlib
 import json
 import os
 import shutil
@@ -58,6 +97,7 @@ import subprocess
 import tempfile
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.mlafleet.fleet.plugins.module_utils.digest import sha256_bytes, sha256_file
 
 PROBE = (
     "import importlib.util, importlib.metadata as md, json, os, sys\n"
@@ -84,18 +124,6 @@ VLLM = "vllm"
 
 class PatchError(Exception):
     pass
-
-
-def sha256_file(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def sha256_bytes(data):
-    return hashlib.sha256(data).hexdigest()
 
 
 def state_of(path, wanted):
@@ -223,7 +251,7 @@ def file_map(patchset):
 # ---- present -------------------------------------------------------------------------------
 
 def plan_present(install, patchsets, backup_subdir):
-    names = [n for ps in patchsets.values() for n, _ in other_distributions(ps["manifest"])]
+    names = [n for ps in patchsets.values() for n, dummy in other_distributions(ps["manifest"])]
     python, version, site, found = probe(install, names)
     if version not in patchsets:
         raise PatchError("%s: vLLM %s has no patch set (supported: %s)"
@@ -323,7 +351,7 @@ def undo_present(plan):
 # ---- absent --------------------------------------------------------------------------------
 
 def plan_absent(install, backup_subdir):
-    python, version, site, _ = probe(install)
+    python, version, site, dummy = probe(install)
     backup = os.path.join(install, backup_subdir, version)
     plan = {"install": install, "python": python, "version": version, "site": site, "backup": backup,
             "restore": [], "remove": [], "problems": [], "created_dirs": [], "has_backup": False}
@@ -334,7 +362,7 @@ def plan_absent(install, backup_subdir):
     with open(manifest_path) as handle:
         manifest = json.load(handle)
     if other_distributions(manifest):
-        found = probe(install, [n for n, _ in other_distributions(manifest)])[3]
+        found = probe(install, [n for n, dummy in other_distributions(manifest)])[3]
     else:
         found = {}
     sites, labels = distribution_sites(install, version, site, found, manifest, plan["problems"])
@@ -400,7 +428,7 @@ def summary(plan, state):
         out["patched"] = [t["path"] for t in plan["patch"]]
         out["added"] = [a["path"] for a in plan["add"]]
     else:
-        out["restored"] = [p for p, _ in plan["restore"]]
+        out["restored"] = [p for p, dummy in plan["restore"]]
         out["removed"] = list(plan["remove"])
     return out
 

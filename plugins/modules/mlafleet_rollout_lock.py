@@ -15,20 +15,75 @@ short_description: Take or release the mlafleet per-host rollout lock
 description:
   - Creates the lock file atomically (O_EXCL) with owner, run id, controller and time.
   - Fails, naming the owner and age, when another run holds the lock; a lock older than
-    I(stale_after) seconds is called stale and is broken only with I(break_stale=true).
+    O(stale_after) seconds is called stale and is broken only with O(break_stale=true).
   - Releases only a lock held by the same run id.
+version_added: 0.3.0
+author: mlafleet maintainers (@mlafleet)
 options:
   path: {type: path, required: true, description: Lock file.}
   state:
     type: str
     choices: [present, absent, check]
     default: present
-    description: Take (present), release (absent), or only check that no other run holds it (check).
+    description: Take (V(present)), release (V(absent)), or only check that no other run holds it (V(check)).
   run: {type: str, required: true, description: Run id of this rollout (re-entrant for the same run).}
   owner: {type: str, required: true, description: Who takes it (user@controller).}
   stale_after: {type: int, default: 7200, description: Age in seconds after which a lock is stale.}
   break_stale: {type: bool, default: false, description: Remove a stale lock held by another run.}
-author: mlafleet
+attributes:
+  check_mode:
+    support: full
+    description: Reports what it would take, break or release.
+notes:
+  - The role mlafleet.fleet.rollout_lock wraps it with the rollout's run id and owner.
+"""
+
+EXAMPLES = r"""
+- name: Take this host's lock for run 20260110T0300Z
+  mlafleet.fleet.mlafleet_rollout_lock:
+    path: /opt/mlafleet/.lock
+    run: 20260110T0300Z
+    owner: ops@controller
+
+- name: Only check that no other run holds it (before any batch starts)
+  mlafleet.fleet.mlafleet_rollout_lock:
+    path: /opt/mlafleet/.lock
+    state: check
+    run: 20260110T0300Z
+    owner: ops@controller
+
+- name: Release it (only a lock of this run is removed)
+  mlafleet.fleet.mlafleet_rollout_lock:
+    path: /opt/mlafleet/.lock
+    state: absent
+    run: 20260110T0300Z
+    owner: ops@controller
+"""
+
+RETURN = r"""
+msg:
+  description: What happened (V(taken), V(released), V(free), V(no lock), V(already held by this run), or the broken lock).
+  type: str
+  returned: always
+  sample: taken
+lock:
+  description: The lock found on the host (owner, run, controller_pid, time), when there was one.
+  type: dict
+  returned: when a lock was found
+  sample: {owner: ops@ctl, run: 20260110T0300Z, controller_pid: 4242, time: 1768014000.0}
+age:
+  description: Age of the lock found, in seconds.
+  type: int
+  returned: when another run's lock was found
+  sample: 9000
+stale:
+  description: Whether that lock is older than O(stale_after).
+  type: bool
+  returned: when another run's lock was found
+broken:
+  description: The stale lock that was broken to take this one, or null.
+  type: dict
+  returned: when O(state=present) took the lock
 """
 
 import json
@@ -69,7 +124,7 @@ def take(module: AnsibleModule, path: str, run: str, owner: str) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
         lock = read_lock(path) or {}
-        text, _ = describe(lock, time.time())
+        text, dummy = describe(lock, time.time())
         module.fail_json(msg=f"{path}: taken by another rollout at the same moment: {text}", lock=lock)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(content + "\n")
@@ -98,7 +153,7 @@ def main() -> None:
         if lock is None:
             module.exit_json(changed=False, msg="no lock")
         if lock.get("run") != p["run"]:
-            text, _ = describe(lock, now)
+            text, dummy = describe(lock, now)
             module.fail_json(msg=f"{p['path']} is held by another run, not releasing it: {text}", lock=lock)
         if not module.check_mode:
             os.unlink(p["path"])
@@ -127,7 +182,7 @@ def main() -> None:
         take(module, p["path"], p["run"], p["owner"])
     if broken is None:
         module.exit_json(changed=True, msg="taken", broken=None)
-    text, _ = describe(broken, now)
+    text, dummy = describe(broken, now)
     msg = f"{p['path']}: broke the stale lock of {text} (rollout_lock_break=true) and took it"
     module.exit_json(changed=True, msg=msg, broken=broken, warnings=[msg])
 

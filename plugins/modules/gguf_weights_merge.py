@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/python
 """Merge a model's verified GGUF shards into one GGUF file, streamed.
 
 For vLLM versions that load a single GGUF file only. The merged file carries the first shard's
@@ -14,6 +14,68 @@ u32 ggml type, u64 offset relative to the data section), zero padding to the ali
 
 from __future__ import annotations
 
+DOCUMENTATION = r"""
+module: gguf_weights_merge
+short_description: Stream verified GGUF shards into one GGUF file
+description:
+  - For vLLM versions that load a single GGUF file only. The merged file carries the first
+    shard's metadata without the C(split.*) keys and every shard's tensors, copied in order
+    chunk by chunk (never a whole file in memory), through C(<output>.partial) and a rename.
+  - A stamp beside the output (size, mtime, inputs) makes a re-run with the same shards a no-op.
+  - Fails before writing when the filesystem lacks space for the merged file.
+version_added: 0.3.0
+author: mlafleet maintainers (@mlafleet)
+options:
+  dest: {description: Directory holding the shards., type: path, required: true}
+  shards: {description: Shard file names in order., type: list, elements: str, required: true}
+  output:
+    description: The merged file; must not be named like a shard (vLLM would look for its siblings).
+    type: path
+    required: true
+attributes:
+  check_mode:
+    support: full
+    description: Reports whether the merged file would be written.
+notes:
+  - Stage and verify the shards first (M(mlafleet.fleet.gguf_weights_stage)); the role
+    mlafleet.fleet.gguf_weights does both with O(output) under the model's directory.
+"""
+
+EXAMPLES = r"""
+- name: Merge a model's two verified shards into one file
+  mlafleet.fleet.gguf_weights_merge:
+    dest: /var/lib/mlafleet/models/GLM-5-Q4_K_M
+    shards:
+      - GLM-5-Q4_K_M-00001-of-00002.gguf
+      - GLM-5-Q4_K_M-00002-of-00002.gguf
+    output: /var/lib/mlafleet/models/GLM-5-Q4_K_M/GLM-5-Q4_K_M.gguf
+"""
+
+RETURN = r"""
+output:
+  description: Path of the merged file.
+  type: str
+  returned: always
+  sample: /var/lib/mlafleet/models/GLM-5-Q4_K_M/GLM-5-Q4_K_M.gguf
+size:
+  description: Size of the merged file in bytes.
+  type: int
+  returned: when every shard is present
+tensors:
+  description: Number of tensors in the merged file.
+  type: int
+  returned: when every shard is present
+sha256:
+  description: sha256 of the merged file, computed while writing it.
+  type: str
+  returned: when the file was written
+missing:
+  description: Shards not present yet (in check mode only, as staging would bring them).
+  type: list
+  elements: str
+  returned: in check mode, when shards are missing
+"""
+
 import hashlib
 import json
 import os
@@ -21,15 +83,6 @@ import re
 import struct
 from dataclasses import dataclass
 from typing import BinaryIO
-
-DOCUMENTATION = r"""
-module: gguf_weights_merge
-short_description: Stream verified GGUF shards into one GGUF file
-options:
-  dest: {description: Directory holding the shards., type: path, required: true}
-  shards: {description: Shard file names in order., type: list, elements: str, required: true}
-  output: {description: The merged file., type: path, required: true}
-"""
 
 MAGIC = b"GGUF"
 CHUNK = 8 << 20
@@ -39,7 +92,8 @@ SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
 SHARD_RE = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 # GGUF metadata value types: id -> struct format of a scalar (8 = string, 9 = array).
 SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-STRING, ARRAY = 8, 9
+STRING = 8
+ARRAY = 9
 
 
 class MergeError(Exception):
@@ -95,7 +149,7 @@ class _Reader:
             if item_type in SCALARS:
                 self.read(struct.calcsize("<" + SCALARS[item_type]) * count)
             else:
-                for _ in range(count):
+                for dummy in range(count):
                     self.value(item_type)
             return None
         raise MergeError(f"{self.path}: unknown GGUF metadata type {vtype}")
@@ -112,7 +166,7 @@ def read_header(path: str) -> Header:
             raise MergeError(f"{path}: GGUF version {version} is not supported (little-endian 2 or 3)")
         n_tensors, n_kv = reader.unpack("Q"), reader.unpack("Q")
         metadata = []
-        for _ in range(n_kv):
+        for dummy in range(n_kv):
             start = handle.tell()
             key = reader.string().decode("utf-8")
             value = reader.value(reader.unpack("I"))
@@ -120,12 +174,12 @@ def read_header(path: str) -> Header:
             handle.seek(start)
             metadata.append((key, handle.read(end - start), value))
         tensors = []
-        for _ in range(n_tensors):
+        for dummy in range(n_tensors):
             name = reader.string()
             n_dims = reader.unpack("I")
-            dims = tuple(reader.unpack("Q") for _ in range(n_dims))
+            dims = tuple(reader.unpack("Q") for dummy in range(n_dims))
             tensors.append(TensorInfo(name, dims, reader.unpack("I"), reader.unpack("Q")))
-        alignment = next((v for k, _, v in metadata if k == "general.alignment"), DEFAULT_ALIGNMENT)
+        alignment = next((v for k, dummy, v in metadata if k == "general.alignment"), DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise MergeError(f"{path}: general.alignment {alignment!r} is not a power of two")
         data_start = _align(handle.tell(), alignment)
@@ -153,7 +207,7 @@ def merged_header(headers: list[Header]) -> tuple[bytes, list[int]]:
     for header in headers:
         bases.append(base)
         base = _align(base + header.file_size - header.data_start, alignment)
-    metadata = [raw for key, raw, _ in first.metadata if key not in SPLIT_KEYS]
+    metadata = [raw for key, raw, dummy in first.metadata if key not in SPLIT_KEYS]
     infos = bytearray()
     names: set[bytes] = set()
     count = 0

@@ -1,10 +1,10 @@
-#!/usr/bin/python3
+#!/usr/bin/python
 """Stage a model's GGUF shards into a directory, verified against a manifest.
 
-This file is the one place where staging happens. It runs on a host (as the Ansible module
-`gguf_weights_stage`, shipped by the gguf_weights role) and on the controller (imported by
-`mlafleet weights stage`), so everything above `main()` uses the standard library only:
-hosts carry nothing but Debian's python3.
+This file is the one place where staging happens. It runs on a host (as the collection's module
+`mlafleet.fleet.gguf_weights_stage`, which the gguf_weights role calls) and on the controller
+(imported by `mlafleet weights stage`), so everything above `main()` uses the standard library
+and the collection's module_utils only: hosts carry nothing but Debian's python3.
 
 For every shard of the manifest:
   - a verified shard with a matching stamp (size, mtime_ns, sha256) costs one stat, plus a spot
@@ -23,6 +23,158 @@ hub with a bearer token that never appears in output), `path` (a local or shared
 
 from __future__ import annotations
 
+DOCUMENTATION = r"""
+module: gguf_weights_stage
+short_description: Stage GGUF shards verified against a sha256 manifest
+description:
+  - Fetches missing shards into C(.partial) files with resume, verifies their sha256, renames
+    them atomically and stamps them so that re-runs cost one stat per shard.
+  - Fails before the first byte when the filesystem lacks space for the remaining bytes, and
+    fails at the end unless all N of N shards are present and verified.
+  - The same code stages on the controller (C(mlafleet weights stage)).
+version_added: 0.3.0
+author: mlafleet maintainers (@mlafleet)
+options:
+  dest: {description: Directory that receives the shards., type: path, required: true}
+  shards:
+    description:
+      - The manifest's shards, each with C(name) (C(<model>-0000K-of-0000N.gguf)), C(size) and
+        C(sha256), optionally C(chunk_size) and C(chunks) (the sha256 of each chunk, for the spot check).
+    type: list
+    elements: dict
+    required: true
+  sources:
+    description: Sources tried in order for each shard.
+    type: list
+    elements: dict
+    default: []
+    suboptions:
+      type:
+        description: V(http) (a mirror, ranged requests), V(hub) (a model hub with a token), V(path) (a directory), V(peer) (rsync over SSH).
+        type: str
+        required: true
+        choices: [http, hub, path, peer]
+      url: {description: Base URL of the mirror (V(http)); the shard name is appended., type: str}
+      path:
+        description: Directory holding the shards (V(path)); the peer's shard directory (V(peer), empty when its key restricts the login to it).
+        type: str
+      endpoint: {description: The hub's base URL (V(hub)); default https://huggingface.co., type: str}
+      repo: {description: The hub repository (V(hub)) such as C(org/model-GGUF)., type: str}
+      revision: {description: The hub revision (V(hub)); default C(main)., type: str}
+      token: {description: Bearer token for the hub (V(hub)); never shown in output., type: str}
+      host: {description: Address of the peer (V(peer))., type: str}
+      user: {description: SSH user on the peer (V(peer)); default C(root)., type: str}
+      port: {description: SSH port of the peer (V(peer)); default 22., type: int}
+      ssh_key: {description: Private key for the peer (V(peer))., type: str}
+      known_hosts: {description: Known hosts file that holds the peer's host key (V(peer))., type: str}
+      rsh:
+        description: The whole remote shell command for rsync (V(peer)), instead of one built from the options above.
+        type: str
+  state:
+    description: V(staged) fetches what is missing; V(verified) only proves that all shards are present.
+    type: str
+    choices: [staged, verified]
+    default: staged
+  verify:
+    description: V(stamp) trusts matching stamps (plus the spot check); V(full) re-hashes every shard.
+    type: str
+    choices: [stamp, full]
+    default: stamp
+  spot_chunks:
+    description:
+      - With O(verify=stamp), chunks per stamped shard read and checked against the manifest's
+        per-chunk sha256 on every run, picked at random (all of them when a shard has fewer).
+        0 turns the spot check off; shards without chunk hashes in the manifest are not spot-checked.
+    type: int
+    default: 2
+  retries: {description: Extra attempts per source and shard after a failed or corrupt download., type: int, default: 2}
+  reserve_mb: {description: Free space to keep on the filesystem beyond the shards., type: int, default: 1024}
+  timeout: {description: Network timeout in seconds., type: int, default: 60}
+attributes:
+  check_mode:
+    support: full
+    description: Plans what would be fetched (and how many bytes) without writing.
+notes:
+  - The role mlafleet.fleet.gguf_weights builds O(shards) from a manifest (C(mlafleet weights manifest))
+    and O(sources) from its variables, with peer fan-out between hosts.
+"""
+
+EXAMPLES = r"""
+- name: Stage a model's shards from a mirror
+  mlafleet.fleet.gguf_weights_stage:
+    dest: /var/lib/mlafleet/models/GLM-5-Q4_K_M
+    shards: "{{ (lookup('ansible.builtin.file', 'GLM-5-Q4_K_M.manifest.json') | from_json).shards }}"
+    sources:
+      - type: http
+        url: https://mirror.example.com/GLM-5-Q4_K_M/
+
+- name: Prove that all shards are present (reads nothing but stamps and a few chunks)
+  mlafleet.fleet.gguf_weights_stage:
+    dest: /var/lib/mlafleet/models/GLM-5-Q4_K_M
+    shards: "{{ (lookup('ansible.builtin.file', 'GLM-5-Q4_K_M.manifest.json') | from_json).shards }}"
+    state: verified
+"""
+
+RETURN = r"""
+present:
+  description: Shards present and verified.
+  type: int
+  returned: always
+  sample: 8
+expected:
+  description: Shards the manifest lists.
+  type: int
+  returned: always
+  sample: 8
+fetched:
+  description: Shards that were (or in check mode would be) fetched.
+  type: list
+  elements: str
+  returned: O(state=staged)
+ready:
+  description: Shards already verified and stamped.
+  type: list
+  elements: str
+  returned: O(state=staged)
+restamped:
+  description: Shards intact on disk whose stamp was missing or stale.
+  type: list
+  elements: str
+  returned: O(state=staged)
+corrupt:
+  description: Shards on disk that did not match the manifest and were replaced.
+  type: list
+  elements: str
+  returned: O(state=staged)
+bytes_to_fetch:
+  description: Bytes still to come when the run started.
+  type: int
+  returned: O(state=staged)
+sources_used:
+  description: Per fetched shard, the source that delivered it.
+  type: dict
+  returned: O(state=staged)
+  sample: {GLM-5-Q4_K_M-00001-of-00008.gguf: "peer:10.0.0.11"}
+corrupt_downloads:
+  description: Downloads thrown away because their sha256 did not match.
+  type: int
+  returned: O(state=staged), when not in check mode
+unstamped:
+  description: Shards intact on disk without a matching stamp.
+  type: list
+  elements: str
+  returned: O(state=verified)
+spot_check:
+  description: What the spot check read (shards, chunks, bytes, seconds), the shards it could not check and those that failed.
+  type: dict
+  returned: always
+log:
+  description: Progress messages (tokens redacted).
+  type: list
+  elements: str
+  returned: O(state=staged)
+"""
+
 import contextlib
 import fcntl
 import hashlib
@@ -39,43 +191,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
-DOCUMENTATION = r"""
-module: gguf_weights_stage
-short_description: Stage GGUF shards verified against a sha256 manifest
-description:
-  - Fetches missing shards into C(.partial) files with resume, verifies their sha256, renames
-    them atomically and stamps them so that re-runs cost one stat per shard.
-  - Fails before the first byte when the filesystem lacks space for the remaining bytes, and
-    fails at the end unless all N of N shards are present and verified.
-options:
-  dest: {description: Directory that receives the shards., type: path, required: true}
-  shards:
-    description: The manifest's shards, each with C(name), C(size) and C(sha256).
-    type: list
-    elements: dict
-    required: true
-  sources:
-    description: Sources tried in order for each shard (C(type) http, hub, path or peer).
-    type: list
-    elements: dict
-    default: []
-  state:
-    description: C(staged) fetches what is missing; C(verified) only proves that all shards are present.
-    type: str
-    choices: [staged, verified]
-    default: staged
-  verify: {description: C(stamp) trusts matching stamps; C(full) re-hashes every shard., type: str, default: stamp}
-  spot_chunks:
-    description:
-      - With C(verify=stamp), chunks per stamped shard read and checked against the manifest's
-        per-chunk sha256 on every run, picked at random (all of them when a shard has fewer).
-        0 turns the spot check off; shards without chunk hashes in the manifest are not spot-checked.
-    type: int
-    default: 2
-  retries: {description: Extra attempts per source and shard after a failed or corrupt download., type: int, default: 2}
-  reserve_mb: {description: Free space to keep on the filesystem beyond the shards., type: int, default: 1024}
-  timeout: {description: Network timeout in seconds., type: int, default: 60}
-"""
+# hash_file is for the CLI (mlafleet weights manifest), which reaches it through this module
+from ansible_collections.mlafleet.fleet.plugins.module_utils.digest import hash_file, sha256_file  # noqa: F401 pylint: disable=unused-import
 
 CHUNK = 8 << 20
 # the manifest's per-chunk sha256 (what the spot check reads), mlafleet weights manifest's default
@@ -187,42 +304,6 @@ def check_manifest(manifest: object) -> list[Shard]:
         raise StageError(f"manifest lists {len(shards)} shards of {int(first['count'])}, split_count says {count}: "
                          "the shard list is incomplete or inconsistent")
     return shards
-
-
-def hash_file(path: str, chunk_size: int = 0, advance: Callable[[int], None] = lambda _n: None
-              ) -> tuple[str, list[str]]:
-    """One pass over a file: its sha256 and, with chunk_size, the sha256 of every chunk_size bytes.
-
-    Read in 8 MiB pieces into one buffer (hashlib releases the GIL: threads hash in parallel);
-    `advance` is told every piece's length (progress bars).
-    """
-    digest = hashlib.sha256()
-    chunks: list[str] = []
-    part = hashlib.sha256()
-    in_part = 0
-    step = min(CHUNK, chunk_size) if chunk_size else CHUNK
-    buffer = bytearray(step)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as handle:
-        while True:
-            count = handle.readinto(view[: min(step, chunk_size - in_part)] if chunk_size else view)
-            if not count:
-                break
-            digest.update(view[:count])
-            advance(count)
-            if chunk_size:
-                part.update(view[:count])
-                in_part += count
-                if in_part == chunk_size:
-                    chunks.append(part.hexdigest())
-                    part, in_part = hashlib.sha256(), 0
-    if chunk_size and (in_part or not chunks):
-        chunks.append(part.hexdigest())
-    return digest.hexdigest(), chunks
-
-
-def sha256_file(path: str) -> str:
-    return hash_file(path)[0]
 
 
 @dataclass
@@ -730,7 +811,7 @@ def main() -> None:
         "url": {"type": "str"}, "path": {"type": "str"}, "endpoint": {"type": "str"},
         "repo": {"type": "str"}, "revision": {"type": "str"}, "token": {"type": "str", "no_log": True},
         "host": {"type": "str"}, "user": {"type": "str"}, "port": {"type": "int"},
-        "ssh_key": {"type": "str"}, "known_hosts": {"type": "str"}, "rsh": {"type": "str"},
+        "ssh_key": {"type": "str", "no_log": False}, "known_hosts": {"type": "str"}, "rsh": {"type": "str"},
     }
     module = AnsibleModule(
         argument_spec={

@@ -2,7 +2,7 @@
 
 A misspelled variable (`vllm_verison`, `vllm_server_portt`) is silently ignored by Ansible: the
 role runs with its default. This action runs once on the controller at the start of site.yml and
-rollback.yml (playbooks/check-vars.yml), looks at every inventory and extra variable of every
+rollback.yml (playbooks/check_vars.yml), looks at every inventory and extra variable of every
 host, and warns for each name that carries one of our prefixes (a role's name, the first word of
 one, or `mlafleet_`) but that no role's meta/argument_specs.yml and no playbook
 (playbooks/meta/argument_specs.yml) declares, naming the closest declared name. It changes nothing
