@@ -96,6 +96,17 @@ download "$out/bundle/wheels/vllm" "annotated-types==0.8.0" "anthropic==2.14.0" 
   "pybase64==1.5.1" "pydantic==2.14.4" "pydantic-core==2.50.5" "pyzmq==27.3.0" "sniffio==1.3.1" \
   "starlette==1.10.0" "tblib==3.2.2" "typing-inspection==0.4.5" "uvicorn==0.54.0" "watchfiles==1.3.0" \
   "xgrammar==0.2.8"
+# What the engine imports only once it runs on CUDA, which the CPU trace above could not see (the
+# H200, 2026-12-01: every engine start failed on these, one at a time): compressed-tensors (with
+# loguru) from the quantization config of the model loader; the CUTLASS DSL (`cutlass`) that
+# deepseek_v32's fused q-projection kernel module and the MoE router's CuTe GEMM module import
+# at module scope on CUDA, and quack (with torch-c-dlpack-ext) that the router module imports.
+# Only the DSL's CUDA 13 flavour travels: it loads the newest flavour the driver supports, and
+# the image's driver (580) supports 13.0 (cu12's 92 MB stay behind). cuda-bindings and einops
+# are the image's.
+download "$out/bundle/wheels/vllm" "compressed-tensors==0.17.0" "loguru==0.7.3" "nvidia-cutlass-dsl==4.8.0" \
+  "nvidia-cutlass-dsl-libs-base==4.8.0" "nvidia-cutlass-dsl-libs-core==4.8.0" "nvidia-cutlass-dsl-libs-cu13==4.8.0" \
+  "quack-kernels==0.6.5" "torch-c-dlpack-ext==0.1.5"
 fi
 sdist=$cache/dl/vllm-$version.tar.gz
 if [ ! -f "$sdist" ]; then  # pip cannot fetch an sdist without building it: take it from PyPI's simple index

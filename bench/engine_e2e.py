@@ -1,4 +1,4 @@
-"""The patched vLLM 0.20.2 engine on a GPU, one configuration per process: what it computed, how fast.
+"""The patched vLLM engine on a GPU, one configuration per process: what it computed, how fast.
 
     python bench/engine_e2e.py run OUT.json --model DIR --backend TRITON_MLA_SPARSE \\
         --kv fp8_ds_mla --indexer fallback [--gguf] [--tp 2]
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> None:
     llm = LLM(model=model, tokenizer=args.model, dtype="bfloat16", enforce_eager=not args.graphs, max_model_len=4096,
               seed=0, gpu_memory_utilization=0.45, kv_cache_dtype=args.kv, enable_prefix_caching=False,
               tensor_parallel_size=args.tp, disable_custom_all_reduce=True, max_num_seqs=64,
-              attention_config={"backend": args.backend},
+              **({} if args.backend == "auto" else {"attention_config": {"backend": args.backend}}),
               **({"max_num_batched_tokens": args.chunk} if args.chunk else {}))
     result = {"backend": args.backend, "kv_cache_dtype": args.kv, "indexer": args.indexer,
               "topk": args.topk if args.indexer == "fallback" else "vllm", "weights": "gguf" if args.gguf else "safetensors",
@@ -111,7 +111,8 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _label(r: dict) -> str:
-    return (f"{r['backend']} + {'DeepGEMM' if r['indexer'] == 'deepgemm' else 'DeepGEMM-free (' + r['topk'] + ' top-k)'}"
+    backend = "vLLM's own choice" if r["backend"] == "auto" else r["backend"]
+    return (f"{backend} + {'DeepGEMM' if r['indexer'] == 'deepgemm' else 'DeepGEMM-free (' + r['topk'] + ' top-k)'}"
             f" indexer, {r['kv_cache_dtype']}, {r['weights']}, TP{r['tp']}, {r['heads']} heads"
             + (f", prefill chunks of {r['chunk']} tokens" if r.get("chunk") else "")
             + (", compiled + CUDA graphs" if r.get("graphs") else ", eager"))
@@ -152,7 +153,8 @@ def compare(paths: list[str]) -> None:
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     # references: vLLM's own path at the default prefill chunking; a reference run with other
     # chunking (--chunk) is compared with it too: the size of differences vLLM has with itself
-    refs = [r for r in runs if r["backend"] == "FLASHMLA_SPARSE" and r["indexer"] == "deepgemm" and not r.get("chunk")]
+    refs = [r for r in runs if r["backend"] in ("FLASHMLA_SPARSE", "auto") and r["indexer"] == "deepgemm"
+            and not r.get("chunk")]
     for run in runs:
         for ref in refs:
             same = all(run.get(k) == ref.get(k) for k in ("kv_cache_dtype", "weights", "tp", "heads", "graphs"))
@@ -176,7 +178,8 @@ def main() -> None:
     parser.add_argument("mode", choices=["run"])
     parser.add_argument("out")
     parser.add_argument("--model", required=True, help="the tiny GLM-5 folder (config, tokenizer, weights)")
-    parser.add_argument("--backend", required=True, choices=["TRITON_MLA_SPARSE", "FLASHMLA_SPARSE"])
+    parser.add_argument("--backend", required=True, choices=["TRITON_MLA_SPARSE", "FLASHMLA_SPARSE", "auto"],
+                        help="auto: no attention backend named, vLLM's own choice for the GPU (its log names it)")
     parser.add_argument("--kv", default="auto", choices=["auto", "fp8_ds_mla", "fp8"],
                         help="fp8: the operator's usual flag, which the MLA layer turns into fp8_ds_mla")
     parser.add_argument("--indexer", default="deepgemm", choices=["deepgemm", "fallback"])

@@ -18,10 +18,19 @@
 #   bench/engine_gpu.sh control OUT_DIR    vLLM's own path with prefill chunks of 2048 tokens (compare
 #                                          with the single/heads8 references: vLLM's self-difference)
 #   bench/engine_gpu.sh tp2 OUT_DIR        tensor parallel 2 over GPUs 0,1 (32 heads per rank)
-#   bench/engine_gpu.sh vllm-tests OUT_DIR [FIRST]  vLLM's own tests/v1/attention/test_sparse_mla_backends.py
+#   bench/engine_gpu.sh line OUT_DIR       ONE GPU, the issue-20 set for the bundled line, resumable (a
+#                                          step with a result is skipped, a step starts only in the call's
+#                                          first 300 s: call it again for the rest):
+#                                          compiled + CUDA graphs, vLLM's own choice + DeepGEMM against ours,
+#                                          bf16 and fp8_ds_mla; GGUF (eager) both; then `serve`
+#   bench/engine_gpu.sh serve OUT_DIR      the OpenAI-compatible server on the tiny GLM-5 with ours
+#                                          (fp8_ds_mla, DeepGEMM-free indexer, CUDA graphs), answered by the
+#                                          OpenAI client (bench/serve_openai.py) and the perf gate's client
+#   bench/engine_gpu.sh vllm-tests OUT_DIR [FIRST] [SHARDS]  vLLM's own tests/v1/attention/test_sparse_mla_backends.py
 #                                          (the line's sdist) with TRITON_MLA_SPARSE added to its backends
 #                                          (bench/vllm_sparse_mla_plugin.py), on the patched install,
-#                                          from its FIRST-th item on (default 1)
+#                                          from its FIRST-th item on (default 1), in SHARDS pytest
+#                                          processes side by side on the GPU (default 1; items dealt round robin)
 #   (setup PARTS_DIR --no-models skips the tiny GLM-5, which only the engine phases need)
 #
 # Every run writes /tmp/e2e/results/<name>.json (bench/engine_e2e.py) and <name>.log; the phase
@@ -79,13 +88,16 @@ PY
 # one run: NAME GPUS ARGS... (GPUS: CUDA_VISIBLE_DEVICES)
 one() {
   local name=$1 gpus=$2; shift 2
-  local t0=$SECONDS
-  CUDA_VISIBLE_DEVICES=$gpus timeout 420 "$venv/bin/python" bench/engine_e2e.py run "$results/$name.json" "$@" \
-    > "$results/$name.log" 2>&1
+  local t0=$SECONDS log=${LOGS:-$results}/$name.log
+  # with LOGS (a phase's OUT_DIR) the log is written there, so a call that is stopped still brings it back
+  CUDA_VISIBLE_DEVICES=$gpus timeout "${RUN_TIMEOUT:-420}" "$venv/bin/python" bench/engine_e2e.py run "$results/$name.json" "$@" \
+    > "$log" 2>&1
   local rc=$?
+  [ "$log" = "$results/$name.log" ] || cp "$log" "$results/"
   echo "== $name (GPU $gpus): rc $rc, $((SECONDS - t0)) s"
-  grep -E "Using AttentionBackendEnum|DSA indexer|DeepGEMM E8M0|fp8_ds_mla KV cache format" "$results/$name.log" | sort -u | head -4 | cut -c1-220
-  [ $rc -eq 0 ] && tail -1 "$results/$name.log" | cut -c1-600 || grep -E "Error|error" "$results/$name.log" | tail -6 | cut -c1-400
+  grep -E "Using AttentionBackendEnum|DSA indexer|DeepGEMM E8M0|fp8_ds_mla KV cache format" "$log" | sort -u | head -4 | cut -c1-220
+  if [ $rc -eq 0 ]; then tail -1 "$log" | cut -c1-600; else grep -E "Error|error" "$log" | tail -6 | cut -c1-400; fi
+  return $rc
 }
 
 # two lanes of runs side by side: lane A on GPU 0, lane B on GPU 1
@@ -111,22 +123,79 @@ case ${1:-} in
   vllm-tests)
     # the whole file: vLLM's own backends as they run on this GPU, and ours added; offline (the
     # model config the tests read comes from the bundle's seeded cache). The 0.20.2 file needs
-    # about 1000 s, more than one call: `vllm-tests OUT_DIR FIRST` runs its items from the
-    # FIRST-th on (1-based, in the file's collection order), so a second call takes the rest.
-    first=${3:-1}
+    # about 1000 s in one process, more than one call: `vllm-tests OUT_DIR FIRST` runs its items
+    # from the FIRST-th on (1-based, in the file's collection order), so a second call takes the
+    # rest; SHARDS processes side by side (the cases are small next to an H200) take it in one.
+    first=${3:-1} shards=${4:-1} tag=vllm-tests-$line-from-${3:-1}
     (cd "$work/vllm-tests" && export HF_HOME="$work/bundle/hf-home" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
        PYTHONPATH="$OLDPWD/bench" && plugin=(-p vllm_sparse_mla_plugin -p no:cacheprovider) &&
      "$venv/bin/python" -m pytest "${plugin[@]}" -q --collect-only tests/v1/attention/test_sparse_mla_backends.py |
        grep '::' | tail -n +"$first" > "$work/vllm-tests-ids.txt"
      [ -s "$work/vllm-tests-ids.txt" ] || { echo "no test items collected from item $first on"; exit 1; }
-     echo "items $first.. of the file: $(wc -l < "$work/vllm-tests-ids.txt")" &&
-     timeout 540 "$venv/bin/python" - "${plugin[@]}" -q -rfE --tb=line --durations=5 --maxfail=25 <<PY
+     echo "items $first.. of the file: $(wc -l < "$work/vllm-tests-ids.txt"), in $shards process(es)"
+     pids=()
+     for k in $(seq 0 $((shards - 1))); do
+       awk -v n="$shards" -v k="$k" '(NR - 1) % n == k' "$work/vllm-tests-ids.txt" > "$work/vllm-tests-ids-$k.txt"
+       timeout 540 "$venv/bin/python" - "${plugin[@]}" -q -rfE --tb=line --durations=5 --maxfail=25 \
+         > "$2/$tag-shard$k.txt" 2>&1 <<PY &
 import sys, pytest
-ids = open("$work/vllm-tests-ids.txt").read().splitlines()
+ids = open("$work/vllm-tests-ids-$k.txt").read().splitlines()
 sys.exit(pytest.main(sys.argv[1:] + ids))
 PY
-    ) > "$2/vllm-tests-$line-from-$first.txt" 2>&1
-    tail -30 "$2/vllm-tests-$line-from-$first.txt" ;;
+       pids+=($!)
+     done
+     rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+     for k in $(seq 0 $((shards - 1))); do echo "-- shard $k: $(grep -E '(passed|failed|error)' "$2/$tag-shard$k.txt" | tail -1)"; done
+     exit $rc
+    ) > "$2/$tag.txt" 2>&1
+    echo "rc $?"; cat "$2/$tag.txt"; grep -hE "^(FAILED|ERROR)" "$2/$tag"-shard*.txt | head -30 ;;
+  line)
+    # one GPU, resumable; each step's log comes back in OUT_DIR (LOGS)
+    export LOGS=$2 RUN_TIMEOUT=400
+    began=$SECONDS
+    step() {  # NAME ARGS...: one run unless it has a result or too little of the call is left
+      local name=$1; shift
+      [ -f "$results/$name.json" ] && { echo "== $name: done before"; return 0; }
+      [ $((SECONDS - began)) -le 300 ] || { echo "== $name: not started (call again)"; return 1; }
+      one "$name" 0 "$@" && return 0
+      # a module the bundle lacks fails every run the same way: stop at the first and name it
+      ! grep -q "ModuleNotFoundError" "$results/$name.log" ||
+        { echo "== stopped: $(grep -m1 -o "ModuleNotFoundError: .*" "$results/$name.log")"; exit 3; }
+      return 1
+    }
+    step lgraphs-ours-bf16 --model "$m" $ours --graphs
+    step lgraphs-ref-bf16 --model "$m" --backend auto --indexer deepgemm --graphs ||
+      step lgraphs-flashmla-bf16 --model "$m" $ref --graphs
+    step lgraphs-ours-fp8 --model "$m" $ours --graphs --kv fp8_ds_mla
+    step lgraphs-ref-fp8 --model "$m" --backend auto --indexer deepgemm --graphs --kv fp8_ds_mla ||
+      step lgraphs-flashmla-fp8 --model "$m" $ref --graphs --kv fp8_ds_mla
+    step lgguf-ours-bf16 --model "$m" $ours --gguf
+    step lgguf-ref-bf16 --model "$m" --backend auto --indexer deepgemm --gguf
+    finish line "$2" lgraphs-ref-bf16 lgraphs-flashmla-bf16 lgraphs-ours-bf16 lgraphs-ref-fp8 lgraphs-flashmla-fp8 \
+      lgraphs-ours-fp8 lgguf-ref-bf16 lgguf-ours-bf16
+    if [ $((SECONDS - began)) -le 330 ]; then "$0" serve "$2"; else echo "== serve: not started (call again)"; fi ;;
+  serve)
+    # ours behind vLLM's OpenAI-compatible server (what the vllm_server role starts), CUDA graphs on
+    [ -f "$results/serve.json" ] && { cat "$results/serve.json"; exit 0; }
+    port=8765 t0=$SECONDS
+    MLAFLEET_INDEXER_FALLBACK=1 CUDA_VISIBLE_DEVICES=0 "$venv/bin/python" -m vllm.entrypoints.openai.api_server \
+      --host 127.0.0.1 --port $port --model "$m" --served-model-name tiny-glm5 --max-model-len 4096 \
+      --gpu-memory-utilization 0.45 --kv-cache-dtype fp8_ds_mla --attention-backend TRITON_MLA_SPARSE \
+      > "$2/serve-server.log" 2>&1 &
+    server=$!
+    until "$venv/bin/python" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' \
+        "http://127.0.0.1:$port/health" 2>/dev/null; do
+      kill -0 $server 2>/dev/null && [ $((SECONDS - t0)) -lt 300 ] || { echo "server not ready:"; tail -20 "$2/serve-server.log"; kill $server; exit 1; }
+      sleep 2
+    done
+    echo "== server ready in $((SECONDS - t0)) s; $(grep -ohE "Using AttentionBackendEnum[^ ]* backend|DSA indexer: [^(]*" "$2/serve-server.log" | sort -u | tr '\n' ';')"
+    "$venv/bin/python" bench/serve_openai.py "http://127.0.0.1:$port/v1" tiny-glm5 "$2/serve-openai.json"; rc=$?
+    "$venv/bin/python" roles/perf_gate/files/mlafleet-perf-bench --base-url "http://127.0.0.1:$port" --model tiny-glm5 \
+      --workload '{"input_len": 1024, "output_len": 128, "num_prompts": 32, "concurrency": 16, "warmup": 8, "seed": 0}' \
+      --repeats 2 > "$2/serve-perf.json" || rc=1
+    kill -INT $server; wait $server
+    [ $rc -eq 0 ] && cp "$2/serve-openai.json" "$results/serve.json"
+    echo "serve rc $rc"; exit $rc ;;
   single)
     # the two mixed pairs (vLLM's attention with our indexer and the reverse) tell which part a
     # difference comes from
@@ -171,5 +240,5 @@ PY
       one "${spec%%:*}" 0,1 --model $m --tp 2 ${spec#*:}
     done
     finish tp2 "$2" reftp2-bf16 reftp2-fp8 ourstp2-bf16 ourstp2-fp8 ;;
-  *) echo "usage: $0 setup PARTS_DIR [--no-models] | single|heads8|heads8-graphs-fp8|heads8-graphs-bf16|heads8-graphs-fp8-mixed|control|graphs|graphs-fp8|fp8-alias|tp2|tp2-graphs OUT_DIR | vllm-tests OUT_DIR [FIRST]" >&2; exit 2 ;;
+  *) echo "usage: $0 setup PARTS_DIR [--no-models] | line|serve|single|heads8|heads8-graphs-fp8|heads8-graphs-bf16|heads8-graphs-fp8-mixed|control|graphs|graphs-fp8|fp8-alias|tp2|tp2-graphs OUT_DIR | vllm-tests OUT_DIR [FIRST] [SHARDS]" >&2; exit 2 ;;
 esac

@@ -4,12 +4,15 @@
 
 vLLM's tests/v1/attention/test_sparse_mla_backends.py builds its VllmConfig from the model name
 "deepseek-ai/DeepSeek-V2-Lite-Chat", so ModelConfig reads that model's config.json from the hub
-(then the test replaces the attention dimensions with its own). The GPU machine reaches no hub:
-this writes a config.json of that name into the cache layout huggingface_hub reads offline
-(hub/models--<org>--<name>/refs/main and snapshots/<revision>/). Its values are the model's
-published architecture (DeepSeek-V2-Lite: 27 layers, hidden 2048, 16 heads, MLA with
-kv_lora_rank 512, no q_lora, 64 routed experts); it is a STAND-IN written by us, not the hub's
-file, and carries no weights or tokenizer.
+(then the test replaces the attention dimensions with its own); 0.32.0's file also builds one
+from "Qwen/Qwen3.5-0.8B" (test_index_group_convert_during_piecewise_capture, which needs only a
+forward context). The GPU machine reaches no hub: this writes a config.json of each name into
+the cache layout huggingface_hub reads offline (hub/models--<org>--<name>/refs/main and
+snapshots/<revision>/). The values are the models' published architecture as far as the model
+cards give it (DeepSeek-V2-Lite: 27 layers, hidden 2048, 16 heads, MLA with kv_lora_rank 512, no
+q_lora, 64 routed experts; Qwen3.5-0.8B: 24 hybrid layers, one in four full attention, hidden
+1024, 8 heads, 2 KV heads of 256, vocabulary 248320, 262144 positions; the rest transformers'
+defaults). Each is a STAND-IN written by us, not the hub's file, and carries no weights or tokenizer.
 """
 
 from __future__ import annotations
@@ -56,6 +59,27 @@ CONFIGS: dict[str, dict] = {
         "tie_word_embeddings": False,
         "bos_token_id": 100000,
         "eos_token_id": 100001,
+        "torch_dtype": "bfloat16",
+    },
+    "Qwen/Qwen3.5-0.8B": {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "tie_word_embeddings": True,
+        "text_config": {
+            "model_type": "qwen3_5_text",
+            "vocab_size": 248320,
+            "hidden_size": 1024,
+            "intermediate_size": 3584,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 256,
+            "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 6,
+            "max_position_embeddings": 262144,
+            "tie_word_embeddings": True,
+            "torch_dtype": "bfloat16",
+        },
+        "vision_config": {"model_type": "qwen3_5_vision", "out_hidden_size": 1024},
         "torch_dtype": "bfloat16",
     },
 }

@@ -75,3 +75,21 @@ def test_compare_pairs_runs_with_their_own_reference_only(e2e, tmp_path, capsys)
     assert "prefill chunks of 2048 tokens" in out
     assert "| 40 | 7/8 | 0 | 0.2500 |" in out  # ours-fp8's first token on the short prompt
     assert out.count("| 300000 |") == 5  # one throughput row per run
+
+
+def test_vllms_own_backend_choice_is_a_reference_too(e2e, tmp_path, capsys):
+    # 0.32.0 on SM90: the reference names no backend (--backend auto), vLLM picks its own
+    runs = {"auto": _run("auto"), "ours": _run("TRITON_MLA_SPARSE", "fallback"),
+            "mixed": _run("auto", "fallback")}
+    runs["ours"]["requests"][0]["tokens"][3] = 7
+    paths = []
+    for name, run in runs.items():
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(run))
+    e2e.compare([str(p) for p in paths])
+    out = capsys.readouterr().out
+    pairs = [line for line in out.splitlines() if line.startswith("| vLLM's own choice + DeepGEMM indexer")
+             and "/8 |" in line]
+    # ours and the mixed run (vLLM's attention, our indexer) against it; never itself
+    assert len(pairs) == 4 and sum("TRITON_MLA_SPARSE + DeepGEMM-free" in p for p in pairs) == 2
+    assert "| 3000 | 7/8 | 3 |" in out
