@@ -137,12 +137,13 @@ def build_base_image(force: bool = False) -> str:
 
 
 def release_inputs_hash(extra: tuple[str, ...] = ()) -> str:
-    """What a pre-installed release image depends on: the base image, the install recipe, and the
-    default line's patch set manifest (its release id is derived from the lock and that manifest,
-    so a changed patch set is a release the image does not hold)."""
+    """What a pre-installed release image depends on: the base image, the install recipe (the role
+    and the module that switches `current`), and the default line's patch set manifest (its release
+    id is derived from the lock and that manifest, so a changed patch set is a release the image
+    does not hold)."""
     h = hashlib.sha256(recipe_hash().encode())
-    for root in ("roles/vllm_install", "requirements/releases", "mlafleet/labmodel.py",
-                 f"files/vllm/{LAB_LINES[0]}/manifest.json", *extra):
+    for root in ("roles/vllm_install", "plugins/modules/mlafleet_release_switch.py", "requirements/releases",
+                 "mlafleet/labmodel.py", f"files/vllm/{LAB_LINES[0]}/manifest.json", *extra):
         paths = [REPO / root] if (REPO / root).is_file() else sorted((REPO / root).rglob("*"))
         for path in paths:
             if path.is_file():

@@ -29,7 +29,8 @@ BIN = Path(sys.executable).parent
 GALAXY = yaml.safe_load((REPO / "galaxy.yml").read_text(encoding="utf-8"))
 # The collections the controller's `ansible` package carries (ansible.posix, which the roles use).
 CONTROLLER_COLLECTIONS = Path(sysconfig.get_paths()["purelib"])
-MODULES = ("gguf_weights_stage", "gguf_weights_merge", "mlafleet_rollout_lock", "mlafleet_vllm_patch")
+MODULES = ("gguf_weights_stage", "gguf_weights_merge", "mlafleet_rollout_lock", "mlafleet_vllm_patch",
+           "mlafleet_release_switch")
 
 
 def clean_env(home: Path, **extra: str) -> dict[str, str]:
