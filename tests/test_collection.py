@@ -84,7 +84,8 @@ def test_the_tarball_holds_only_ansible_content(tarball: Path) -> None:
     assert "files/vllm/0.20.2/manifest.json" in names and "requirements/releases/vllm-0.20.2.txt" in names
     for module in MODULES:
         assert f"plugins/modules/{module}.py" in names
-    assert "plugins/module_utils/digest.py" in names
+    for utils in ("digest", "gguf_stage", "gguf_merge"):
+        assert f"plugins/module_utils/{utils}.py" in names
     for role in sorted(p.name for p in (REPO / "roles").iterdir()):
         assert f"roles/{role}/meta/argument_specs.yml" in names, role
     for playbook in ("site", "rollback"):
