@@ -30,7 +30,6 @@ changes unless the whole build succeeds.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -44,6 +43,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import yaml
+from ansible_collections.mlafleet.fleet.plugins.module_utils.digest import sha256_bytes, sha256_file
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PATCHSETS_DIR = REPO_ROOT / "files" / "vllm"
@@ -103,18 +103,6 @@ class Spec:
     @property
     def wheel_sha256(self) -> str:
         return self.wheels[0].sha256
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def supported_versions(patchsets_dir: Path = PATCHSETS_DIR) -> list[str]:
