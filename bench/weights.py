@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ansible_collections.mlafleet.fleet.plugins.module_utils import gguf_stage as stager  # noqa: E402
 from ansible_collections.mlafleet.fleet.plugins.module_utils.digest import hash_file  # noqa: E402
-from mlafleet import weights  # noqa: E402
+from mlafleet.weights import shards as weights  # noqa: E402
 
 
 def timed(func, repeat: int = 3) -> float:  # noqa: ANN001

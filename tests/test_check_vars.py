@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from mlafleet import runner
+from mlafleet.ops import runner
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""mlafleet.runner: real ansible-runner runs against the controller itself (connection local).
+"""mlafleet.ops.runner: real ansible-runner runs against the controller itself (connection local).
 
 The playbooks here exercise the rollout_lock and vllm_rollback roles and vllm_install's activation
 and prune on a scratch release root, so each test proves a role's behaviour and the runner's report
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from mlafleet import runner
+from mlafleet.ops import runner
 
 LOCK_PLAY = """
 - hosts: all

@@ -23,8 +23,8 @@ from weights_support import TOKEN, HubHandler, hub, mirror, serving, write_model
 
 from ansible_collections.mlafleet.fleet.plugins.module_utils import digest
 from ansible_collections.mlafleet.fleet.plugins.module_utils import gguf_stage as host
-from mlafleet import weights
-from mlafleet.weights_mirror import MirrorHandler
+from mlafleet.weights import shards as weights
+from mlafleet.weights.mirror import MirrorHandler
 
 REPO = Path(__file__).resolve().parent.parent
 

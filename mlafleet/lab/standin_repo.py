@@ -17,7 +17,7 @@ exactly what the roles' reboot decision reads.
 
 Needs ``dpkg-deb`` (Debian package ``dpkg``) and ``gpg`` (Debian package ``gnupg``); stdlib otherwise.
 
-    python -m mlafleet.standin_repo --out DIR --kernel-release "$(uname -r)"
+    python -m mlafleet.lab.standin_repo --out DIR --kernel-release "$(uname -r)"
 """
 
 from __future__ import annotations

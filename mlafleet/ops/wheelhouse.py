@@ -19,7 +19,7 @@ from pathlib import Path
 from ansible_collections.mlafleet.fleet.plugins.module_utils.digest import sha256_file
 from packaging.version import Version
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RELEASES = REPO / "requirements" / "releases"
 MARKER = ".mlafleet-complete"
 

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # Which playbook each command runs, and whether it runs in check mode.
 COMMAND_PLAYBOOKS: dict[str, tuple[str, bool]] = {
@@ -498,7 +498,7 @@ def run_playbook(command: str, inventories: list[Path], extravars: dict[str, Any
     out.write(text)
     out.write(f"report: {report_dir / 'run.json'}, summary: {report_dir / 'summary.txt'}\n")
     # perf gate / rollout report: the HTML again, now with run.json's statuses and causes.
-    from mlafleet.report import render_quietly
+    from mlafleet.ops.report import render_quietly
 
     out.write(f"rollout report: {render_quietly(report_dir)}\n")
     return report

@@ -6,7 +6,7 @@
 - `stage`, `verify` and `merge` run the same host-side code that the gguf_weights role ships to
   hosts (the collection's module_utils gguf_stage and gguf_merge, which its modules call), here on
   the controller or a shared filesystem, imported by their collection name.
-- `serve DIR` runs a ranged HTTP mirror (mlafleet.weights_mirror).
+- `serve DIR` runs a ranged HTTP mirror (mlafleet.weights.mirror).
 
 The module imports only the standard library and those module_utils at import time (the CLI
 builds every subparser).
@@ -320,7 +320,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from mlafleet import weights_mirror
+    from mlafleet.weights import mirror as weights_mirror
 
     return weights_mirror.run(args)
 
@@ -387,7 +387,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     merge.set_defaults(func=_guarded(cmd_merge))
 
     serve = commands.add_parser("serve", help="serve DIR over HTTP with byte ranges (a mirror)")
-    from mlafleet import weights_mirror
+    from mlafleet.weights import mirror as weights_mirror
 
     weights_mirror.add_arguments(serve)
     serve.set_defaults(func=_guarded(cmd_serve))
