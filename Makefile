@@ -58,7 +58,7 @@ wheelhouse: setup
 define lab-venv
 	$(BIN)/mlafleet wheelhouse $(1)
 	rm -rf $(2) && $(PYTHON) -m venv $(2)
-	PIP_CONFIG_FILE=/dev/null $(2)/bin/pip --isolated install -q --no-index --no-deps --find-links "$$($(BIN)/python -c 'from mlafleet.wheelhouse import wheelhouse_dir; print(wheelhouse_dir("$(1)"))')" -r requirements/releases/$(1).txt
+	PIP_CONFIG_FILE=/dev/null $(2)/bin/pip --isolated install -q --no-index --no-deps --find-links "$$($(BIN)/python -c 'from mlafleet.ops.wheelhouse import wheelhouse_dir; print(wheelhouse_dir("$(1)"))')" -r requirements/releases/$(1).txt
 endef
 $(VLLM_VENV)/.mlafleet-complete: requirements/releases/$(LAB_RELEASE).txt
 	$(call lab-venv,$(LAB_RELEASE),$(VLLM_VENV))

@@ -4,7 +4,7 @@
         --kv fp8_ds_mla --indexer fallback [--gguf] [--tp 2]
     python bench/engine_e2e.py compare OUT_DIR/*.json     # a markdown report on stdout
 
-The model is the project's tiny GLM-5 (`mlafleet.tinymodel.write_tiny_glm5`: GLM-5's attention
+The model is the project's tiny GLM-5 (`mlafleet.lab.tinymodel.write_tiny_glm5`: GLM-5's attention
 and indexer geometry, 2 layers, random weights) loaded from its safetensors or, with --gguf,
 from its 3 GGUF shards through the patch set's glm-dsa loader. Prompts are token ids.
 

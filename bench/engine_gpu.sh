@@ -75,7 +75,7 @@ setup() {
   echo "== tiny GLM-5"
   PYTHONPATH=$PWD "$venv/bin/python" - "$models" <<'PY'
 import json, sys, time
-from mlafleet.tinymodel import load_config, write_tiny_glm5
+from mlafleet.lab.tinymodel import load_config, write_tiny_glm5
 t = time.time()
 paths = write_tiny_glm5(f"{sys.argv[1]}/tiny-glm5", gguf_shards=3, gguf_type="Q8_0", seed=0)
 eight = dict(load_config(), num_attention_heads=8, num_key_value_heads=8)

@@ -29,7 +29,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from mlafleet.perfgate import METRICS, normalize_workload, summarize  # noqa: E402
+from mlafleet.ops.perfgate import METRICS, normalize_workload, summarize  # noqa: E402
 
 CLIENT = "/usr/local/sbin/mlafleet-perf-bench"
 # The server command of the current release (roles/vllm_server keeps it inside the release).

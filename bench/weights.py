@@ -27,7 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mlafleet import weights  # noqa: E402
+from ansible_collections.mlafleet.fleet.plugins.module_utils import gguf_stage as stager  # noqa: E402
+from ansible_collections.mlafleet.fleet.plugins.module_utils.digest import hash_file  # noqa: E402
+from mlafleet.weights import shards as weights  # noqa: E402
 
 
 def timed(func, repeat: int = 3) -> float:  # noqa: ANN001
@@ -72,12 +74,11 @@ def main() -> int:
     total = size * args.shards
     for path in origin:  # warm the page cache: measure hashing, not the disk
         subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)
-    stager = weights.stager()
     results: dict = {"machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
                      "python": platform.python_version(), "shard_bytes": size, "shards": args.shards}
 
     one = origin[0]
-    t_py = timed(lambda: stager.hash_file(str(one)))
+    t_py = timed(lambda: hash_file(str(one)))
     t_sum = timed(lambda: subprocess.run(["sha256sum", str(one)], stdout=subprocess.DEVNULL, check=True))
     results["one_file_MiBps"] = {"mlafleet": round(size / t_py / 2**20), "sha256sum": round(size / t_sum / 2**20)}
 

@@ -9,7 +9,7 @@ import pytest
 
 def pinned_wheels(version: str) -> dict[str, Path]:
     """A patch set's pinned wheels from the download cache, by distribution (tests never download)."""
-    from mlafleet import patchset
+    from mlafleet.patchset import builder as patchset
 
     wheels = patchset.cached_wheels(patchset.load_spec(version))
     missing = [str(w) for w in wheels.values() if not w.is_file()]
@@ -19,7 +19,7 @@ def pinned_wheels(version: str) -> dict[str, Path]:
 
 
 def build_patchset(version: str, out: Path) -> Path:
-    from mlafleet import patchset
+    from mlafleet.patchset import builder as patchset
 
     wheels = pinned_wheels(version)
     patchset.build(version, out, wheel=wheels.pop("vllm"), other_wheels=wheels)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from mlafleet import runner
+from mlafleet.ops import runner
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -66,11 +66,8 @@ def test_ansible_playbook_site_yml_warns_first(tmp_path: Path) -> None:
 
 def test_every_variable_the_repository_sets_is_declared() -> None:
     """The lab and production example inventories and the molecule scenarios set only declared names."""
-    from importlib.util import module_from_spec, spec_from_file_location
+    from ansible_collections.mlafleet.fleet.plugins.plugin_utils import check_vars as plugin
 
-    spec = spec_from_file_location("mlafleet_check_vars", REPO / "plugins" / "action" / "mlafleet_check_vars.py")
-    plugin = module_from_spec(spec)
-    spec.loader.exec_module(plugin)
     declared, ours = plugin.declared_variables(), plugin.prefixes()
     files = [*REPO.glob("inventory/prod.example/**/*.yml"), *REPO.glob("files/lab/group_vars/*.yml"),
              *REPO.glob("molecule/*/host_vars/*.yml"), *REPO.glob("molecule/*/group_vars/*.yml")]

@@ -1,11 +1,14 @@
 """The repository root as the Ansible collection mlafleet.fleet (galaxy.yml).
 
-`ansible-galaxy collection build` gives a tarball of Ansible content only (no tests, molecule,
-bench, Python package, lab or docs images); it installs offline into an empty collections path;
-a playbook outside the checkout that names only fully qualified names (a role, modules, one of
-them with the collection's module_utils, a filter) runs from that install against localhost; and
-`ansible-test sanity` passes for the collection's modules and module_utils on the controller's
-Python (the tests that need nothing beyond the controller's pinned packages).
+`ansible-galaxy collection build` gives a tarball of Ansible content only (every member is
+checked: no tests, molecule, bench, Python package, lab or docs images); it installs offline into
+an empty collections path; a playbook outside the checkout that names only fully qualified names
+runs from that install against localhost (connection local) with the collections path set to the
+install alone: the rollout_lock and vllm_rollback roles, the lock, staging, merge and release
+switch modules (with their module_utils), the filters and the variable-check action (with its
+plugin_utils), every module file ansible packs and every plugin file it lists lying in the
+install; and `ansible-test sanity` passes for the collection's modules and module_utils on the
+controller's Python (the tests that need nothing beyond the controller's pinned packages).
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tarfile
 from pathlib import Path
 
@@ -27,9 +29,8 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 GALAXY = yaml.safe_load((REPO / "galaxy.yml").read_text(encoding="utf-8"))
-# The collections the controller's `ansible` package carries (ansible.posix, which the roles use).
-CONTROLLER_COLLECTIONS = Path(sysconfig.get_paths()["purelib"])
-MODULES = ("gguf_weights_stage", "gguf_weights_merge", "mlafleet_rollout_lock", "mlafleet_vllm_patch")
+MODULES = ("gguf_weights_stage", "gguf_weights_merge", "mlafleet_rollout_lock", "mlafleet_vllm_patch",
+           "mlafleet_release_switch")
 
 
 def clean_env(home: Path, **extra: str) -> dict[str, str]:
@@ -83,11 +84,22 @@ def test_the_tarball_holds_only_ansible_content(tarball: Path) -> None:
     assert "files/vllm/0.20.2/manifest.json" in names and "requirements/releases/vllm-0.20.2.txt" in names
     for module in MODULES:
         assert f"plugins/modules/{module}.py" in names
-    assert "plugins/module_utils/digest.py" in names
+    for utils in ("digest", "gguf_stage", "gguf_merge"):
+        assert f"plugins/module_utils/{utils}.py" in names
     for role in sorted(p.name for p in (REPO / "roles").iterdir()):
         assert f"roles/{role}/meta/argument_specs.yml" in names, role
     for playbook in ("site", "rollback"):
         assert f"playbooks/{playbook}.yml" in names
+    # every member, listed: Ansible content, the patch sets and lock files it reads, and its docs;
+    # no test, lab, bench or Python package file anywhere below
+    assert tops == {"roles", "playbooks", "plugins", "meta", "files", "requirements", "docs",
+                    "MANIFEST.json", "FILES.json", "README.md", "CHANGELOG.md"}, sorted(tops)
+    assert {n.split("/")[1] for n in names if n.startswith("files/") and n.count("/") >= 1 and n != "files/"} == {"vllm"}
+    assert not [n for n in names if set(n.split("/")) & {"tests", "test", "bench", "molecule", "lab", "mlafleet",
+                                                         "inventory", "scripts", "build", "__pycache__"}]
+    assert not [n for n in names if n.rsplit("/", 1)[-1].startswith(("test_", "conftest"))]
+    python = [n for n in names if n.endswith(".py")]
+    assert python and all(n.startswith(("plugins/", "files/vllm/")) or re.match(r"roles/\w+/files/", n) for n in python), python
 
 
 PLAYBOOK = """
@@ -122,22 +134,64 @@ PLAYBOOK = """
         reserve_mb: 0
       register: staged
 
+    - name: Stage a real two-shard GGUF model (its manifest checked by the collection's filter first)
+      mlafleet.fleet.gguf_weights_stage:
+        dest: "{{ work }}/model"
+        shards: "{{ model.shards }}"
+        sources: [{type: path, path: "{{ work }}/model-origin"}]
+        reserve_mb: 0
+      register: model_staged
+      when: model | mlafleet.fleet.gguf_weights_manifest_problem == ''
+
+    - name: Merge its shards into one file (gguf_merge of the collection's module_utils)
+      mlafleet.fleet.gguf_weights_merge:
+        dest: "{{ work }}/model"
+        shards: "{{ model.shards | map(attribute='name') | list }}"
+        output: "{{ work }}/model/tiny-glm.gguf"
+      register: merged
+
+    - name: Roll back with the collection's role (its switch is the collection's mlafleet_release_switch)
+      ansible.builtin.include_role:
+        name: mlafleet.fleet.vllm_rollback
+      vars:
+        vllm_rollback_root: "{{ work }}/root"
+
+    - name: Switch forward again with the module itself
+      mlafleet.fleet.mlafleet_release_switch:
+        root: "{{ work }}/root"
+        release: rel-b
+      register: forward
+
+    - name: Name a misspelled variable with the collection's action (its check in plugin_utils)
+      mlafleet.fleet.mlafleet_check_vars:
+      register: checked
+
     - name: Report what happened
       ansible.builtin.copy:
         dest: "{{ work }}/result.json"
         content: >-
           {{ {'refused': refused.msg, 'lock': lookup('ansible.builtin.file', lock) | from_json,
               'present': staged.present, 'fetched': staged.fetched,
-              'parallel': ['--tensor-parallel-size=2', '-pp', '3'] | mlafleet.fleet.preflight_parallel_sizes}
+              'parallel': ['--tensor-parallel-size=2', '-pp', '3'] | mlafleet.fleet.preflight_parallel_sizes,
+              'model_fetched': model_staged.fetched, 'merged': merged,
+              'bad_manifest': {'format': 'x'} | mlafleet.fleet.gguf_weights_manifest_problem,
+              'restored': vllm_rollback_release_id, 'forward': forward, 'unknown': checked.unknown}
              | to_json }}
         mode: "0644"
 """
 
 
 def test_the_installed_collection_runs_a_playbook_of_fully_qualified_names(tarball: Path, tmp_path: Path) -> None:
+    """Roles, modules (with their module_utils), filters and the action of the installed copy, and
+    nothing but it: the collections path is the install directory alone (the playbook needs no
+    other collection), sys.path is not scanned, and ansible reports every plugin file under it."""
+    from weights_support import write_model
+
+    from mlafleet.weights import shards as weights
+
     collections = tmp_path / "collections"
     collections.mkdir()
-    # ansible.posix comes from the controller's installed collections, not from a network: --no-deps
+    # ansible.posix (what other roles call) is not needed here and not installed: --no-deps
     done = subprocess.run([str(BIN / "ansible-galaxy"), "collection", "install", "--offline", "--no-deps",
                            "-p", str(collections), str(tarball)],
                           capture_output=True, text=True, check=False, timeout=300, cwd=tmp_path,
@@ -151,9 +205,16 @@ def test_the_installed_collection_runs_a_playbook_of_fully_qualified_names(tarba
     data = os.urandom(100_000)
     (work / "origin" / "tiny-00001-of-00001.gguf").write_bytes(data)
     shards = [{"name": "tiny-00001-of-00001.gguf", "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}]
+    model_paths = write_model(work / "model-origin", shards=2, tensors_per_shard=2)
+    model = weights.build_manifest(work / "model-origin")
+    for release in ("rel-a", "rel-b"):  # a host's release root: current rel-b, previous rel-a
+        (work / "root" / "releases" / release / "venv" / "bin").mkdir(parents=True)
+        (work / "root" / "releases" / release / "venv" / "bin" / "python").write_text("")
+        (work / "root" / "releases" / release / "release.json").write_text(json.dumps({"id": release}))
+    os.symlink("releases/rel-b", work / "root" / "current")
+    os.symlink("releases/rel-a", work / "root" / "previous")
     (work / "play.yml").write_text(PLAYBOOK, encoding="utf-8")
-    env = clean_env(tmp_path, ANSIBLE_COLLECTIONS_PATH=f"{collections}{os.pathsep}{CONTROLLER_COLLECTIONS}",
-                    ANSIBLE_COLLECTIONS_SCAN_SYS_PATH="false")
+    env = clean_env(tmp_path, ANSIBLE_COLLECTIONS_PATH=str(collections), ANSIBLE_COLLECTIONS_SCAN_SYS_PATH="false")
 
     # the names resolve to the install, nothing else
     doc = subprocess.run([str(BIN / "ansible-doc"), "-t", "module", "mlafleet.fleet.mlafleet_rollout_lock"],
@@ -161,12 +222,26 @@ def test_the_installed_collection_runs_a_playbook_of_fully_qualified_names(tarba
     assert doc.returncode == 0, doc.stdout + doc.stderr
     assert str(installed / "plugins" / "modules" / "mlafleet_rollout_lock.py") in doc.stdout
     assert str(REPO) not in doc.stdout
+    for kind, names in (("module", MODULES), ("filter", ("gguf_weights_manifest_problem", "preflight_parallel_sizes"))):
+        listed = subprocess.run([str(BIN / "ansible-doc"), "-t", kind, "-F", "mlafleet.fleet"],
+                                capture_output=True, text=True, check=False, timeout=120, cwd=work, env=env)
+        files = dict(line.split(None, 1) for line in listed.stdout.splitlines() if line.strip())
+        assert {f"mlafleet.fleet.{n}" for n in names} <= set(files), listed.stdout + listed.stderr
+        assert all(Path(f.strip()).is_relative_to(installed / "plugins") for f in files.values()), files
 
-    done = subprocess.run([str(BIN / "ansible-playbook"), "-i", "localhost,", "-e", f"work={work}",
-                           "-e", json.dumps({"shards": shards, "ansible_python_interpreter": sys.executable}),
+    done = subprocess.run([str(BIN / "ansible-playbook"), "-vvv", "-i", "localhost,", "-e", f"work={work}",
+                           "-e", json.dumps({"shards": shards, "model": model, "ansible_python_interpreter": sys.executable,
+                                             "vllm_server_hots": "0.0.0.0"}),
                            "play.yml"],
                           capture_output=True, text=True, check=False, timeout=300, cwd=work, env=env)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    # every module ran from the install (ansible names the file it packs for the host)
+    used = re.findall(r"Using module file (\S+)", done.stdout)
+    ours = {Path(u).stem for u in used if "/mlafleet/fleet/" in u}
+    assert ours == {"mlafleet_rollout_lock", "gguf_weights_stage", "gguf_weights_merge", "mlafleet_release_switch"}, used
+    assert all(Path(u).is_relative_to(installed / "plugins" / "modules") for u in used if "/mlafleet/fleet/" in u), used
+    # nothing of the checkout but the controller's venv (ansible itself) is named
+    assert set(re.findall(re.escape(str(REPO)) + r"/([^/\s'\"]+)", done.stdout + done.stderr)) <= {".venv"}
     result = json.loads((work / "result.json").read_text(encoding="utf-8"))
     assert result["lock"]["run"] == "run-1" and result["lock"]["owner"] == "tester@controller"
     assert "another rollout holds this host" in result["refused"] and "run run-1" in result["refused"]
@@ -174,6 +249,20 @@ def test_the_installed_collection_runs_a_playbook_of_fully_qualified_names(tarba
     assert (work / "dest" / "tiny-00001-of-00001.gguf").read_bytes() == data
     assert result["parallel"]["tensor"] == 2 and result["parallel"]["pipeline"] == 3
     assert result["parallel"]["world"] == 6
+    # weights: the manifest passed the filter, both shards staged, merged into one GGUF file
+    assert result["model_fetched"] == [p.name for p in model_paths]
+    assert result["bad_manifest"].startswith("not an mlafleet GGUF manifest")
+    merged = work / "model" / "tiny-glm.gguf"
+    assert result["merged"]["changed"] and result["merged"]["tensors"] == 4
+    assert result["merged"]["size"] == merged.stat().st_size
+    assert result["merged"]["sha256"] == hashlib.sha256(merged.read_bytes()).hexdigest()
+    # the release switch: the role went back to rel-a, the module forward to rel-b
+    assert result["restored"] == "rel-a"
+    assert result["forward"]["changed"] and result["forward"]["previous"] == "releases/rel-a"
+    assert os.readlink(work / "root" / "current") == "releases/rel-b"
+    assert os.readlink(work / "root" / "previous") == "releases/rel-a"
+    # the action read the installed collection's argument specs
+    assert {"name": "vllm_server_hots", "where": "extra variable", "closest": "vllm_server_host"} in result["unknown"]
 
 
 def makefile_sanity_tests() -> tuple[str, ...]:

@@ -1,4 +1,4 @@
-"""The patch sets' GLM-5 GGUF module (mlafleet/gguf_glm_dsa.py, shipped into vLLM 0.20.2 and into
+"""The patch sets' GLM-5 GGUF module (mlafleet/patchset/gguf_glm_dsa.py, shipped into vLLM 0.20.2 and into
 vllm-gguf-plugin 0.0.5 for vLLM 0.32.0) on its own, in the controller's Python.
 
 The module imports only gguf, numpy and torch, so it runs here directly; the same file runs inside
@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mlafleet.tinymodel import load_config, split_kv_b, write_tiny_glm5
+from mlafleet.lab.tinymodel import load_config, split_kv_b, write_tiny_glm5
 
-MODULE = Path(__file__).resolve().parent.parent / "mlafleet/gguf_glm_dsa.py"
+MODULE = Path(__file__).resolve().parent.parent / "mlafleet/patchset/gguf_glm_dsa.py"
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +132,7 @@ def test_config_from_metadata(glm: ModuleType, model_q8: dict) -> None:
 
 def test_config_of_a_model_with_mtp_layers(glm: ModuleType, tmp_path: Path) -> None:
     """llama.cpp counts GLM-5's MTP (nextn) layers as blocks: 78 main + 1 MTP = block_count 79."""
-    from mlafleet.tinymodel import _add_metadata
+    from mlafleet.lab.tinymodel import _add_metadata
 
     glm5 = dict(load_config(), num_hidden_layers=78, num_nextn_predict_layers=1, first_k_dense_replace=3,
                 hidden_size=6144, q_lora_rank=2048, n_routed_experts=256, num_experts_per_tok=8,

@@ -7,7 +7,7 @@ touched). What runs is vLLM's own path with the plugin registered through its en
 EngineArgs -> create_engine_config -> the plugin's GGUFModelLoader -> our GlmDsaGGUFAdapter ->
 GlmMoeDsaForCausalLM.load_weights. The two stand-ins (the CPU platform names TRITON_MLA_SPARSE,
 post-load CUDA processing skipped) are described in that script. The GGUF is real, written with
-the `gguf` package (mlafleet.tinymodel): 3 shards, Q8_0 matrices, attn_k_b/attn_v_b in BF16.
+the `gguf` package (mlafleet.lab.tinymodel): 3 shards, Q8_0 matrices, attn_k_b/attn_v_b in BF16.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mlafleet import gguf_glm_dsa
-from mlafleet.tinymodel import load_config, write_tiny_glm5
+from mlafleet.patchset import gguf_glm_dsa
+from mlafleet.lab.tinymodel import load_config, write_tiny_glm5
 
 SCRIPT = Path(__file__).resolve().parent / "vllm_side" / "gguf_plugin_load.py"
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mlafleet.tinymodel import load_config, write_tiny_glm5
+from mlafleet.lab.tinymodel import load_config, write_tiny_glm5
 
 VLLM_SIDE = r'''
 import json, os, sys, torch
@@ -156,7 +156,7 @@ def test_every_shard_feeds_the_model(vllm_run: dict) -> None:
 
     import gguf
 
-    module = Path(__file__).resolve().parent.parent / "mlafleet/gguf_glm_dsa.py"
+    module = Path(__file__).resolve().parent.parent / "mlafleet/patchset/gguf_glm_dsa.py"
     spec = importlib.util.spec_from_file_location("gguf_glm_dsa_map", module)
     glm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(glm)

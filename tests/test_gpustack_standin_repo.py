@@ -1,4 +1,4 @@
-"""The stand-in CUDA apt repository (mlafleet.standin_repo) and the gpu-stack roles' specs."""
+"""The stand-in CUDA apt repository (mlafleet.lab.standin_repo) and the gpu-stack roles' specs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mlafleet import standin_repo
+from mlafleet.lab import standin_repo
 
 KERNEL = "6.1.0-99-standin"
 

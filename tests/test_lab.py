@@ -7,8 +7,8 @@ from pathlib import Path
 
 import yaml
 
-from mlafleet import lab
-from mlafleet.labmodel import HIDDEN, HEADS, VOCAB, write_tiny_llama
+from mlafleet.lab import containers as lab
+from mlafleet.lab.labmodel import HIDDEN, HEADS, VOCAB, write_tiny_llama
 
 
 def test_recipe_hash_is_stable_and_follows_the_recipe(tmp_path: Path, monkeypatch):

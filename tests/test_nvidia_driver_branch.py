@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from mlafleet import runner
+from mlafleet.ops import runner
 
 PLAY = """
 - hosts: all

@@ -1,4 +1,4 @@
-"""The patch-set engine: format, anchors, determinism and the manifest (mlafleet/patchset.py)."""
+"""The patch-set engine: format, anchors, determinism and the manifest (mlafleet/patchset/builder.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mlafleet import patchset
-from mlafleet.patchset import Edit, PatchsetError
+from mlafleet.patchset import builder as patchset
+from mlafleet.patchset.builder import Edit, PatchsetError
 
 from patchset_support import build_patchset, pinned_wheels
 

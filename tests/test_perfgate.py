@@ -1,4 +1,4 @@
-"""The perf gate: its decisions (mlafleet.perfgate) and its benchmark client (roles/perf_gate/files).
+"""The perf gate: its decisions (mlafleet.ops.perfgate) and its benchmark client (roles/perf_gate/files).
 
 The client runs against a real HTTP server of ours on 127.0.0.1 that speaks the parts of vLLM's
 OpenAI API the client uses (/tokenize, streamed /v1/completions) and streams tokens with known
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from weights_support import serving
 
-from mlafleet import perfgate
+from mlafleet.ops import perfgate
 
 REPO = Path(__file__).resolve().parent.parent
 CLIENT = REPO / "roles" / "perf_gate" / "files" / "mlafleet-perf-bench"
@@ -170,10 +170,10 @@ def test_a_baseline_of_another_workload_or_garbage_is_refused():
 
 
 def test_cli_reads_stdin_and_exits_2_on_bad_input():
-    ok = subprocess.run([sys.executable, "-m", "mlafleet.perfgate", "compare"], cwd=REPO, text=True,
+    ok = subprocess.run([sys.executable, "-m", "mlafleet.ops.perfgate", "compare"], cwd=REPO, text=True,
                         capture_output=True, input=json.dumps(request(measured(run()), release="rel-a")))
     assert ok.returncode == 0 and json.loads(ok.stdout)["status"] == "baseline"
-    bad = subprocess.run([sys.executable, "-m", "mlafleet.perfgate", "plan"], cwd=REPO, text=True,
+    bad = subprocess.run([sys.executable, "-m", "mlafleet.ops.perfgate", "plan"], cwd=REPO, text=True,
                          capture_output=True, input=json.dumps({"workload": {"seed": -1}, "model": "m"}))
     assert bad.returncode == 2 and "perf gate: perf_gate_workload.seed must be an integer >= 0" in bad.stderr
 
@@ -334,7 +334,7 @@ GATE_PLAY = """
 
 
 def test_role_sets_then_enforces_the_baseline_beside_the_release(tmp_path):
-    from mlafleet import runner
+    from mlafleet.ops import runner
 
     for release in ("rel-a", "rel-b"):
         (tmp_path / "root" / "releases" / release).mkdir(parents=True)

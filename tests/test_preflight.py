@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mlafleet import runner
+from mlafleet.ops import runner
 
 REPO = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location(

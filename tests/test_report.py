@@ -1,4 +1,4 @@
-"""The HTML rollout report (mlafleet.report), rendered from a recorded run and opened in Chromium.
+"""The HTML rollout report (mlafleet.ops.report), rendered from a recorded run and opened in Chromium.
 
 tests/data/rollout-report/ is the report directory of a real run: the molecule rollout
 scenario's main rollout (release rollout-b to two lab hosts; the perf gate passed on the first
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from mlafleet import report
-from mlafleet.perfgate import METRICS
+from mlafleet.ops import report
+from mlafleet.ops.perfgate import METRICS
 
 RECORDED = Path(__file__).resolve().parent / "data" / "rollout-report"
 H2, H3 = "mlafleet-molecule-rollout-2", "mlafleet-molecule-rollout-3"

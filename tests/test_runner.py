@@ -1,7 +1,8 @@
-"""mlafleet.runner: real ansible-runner runs against the controller itself (connection local).
+"""mlafleet.ops.runner: real ansible-runner runs against the controller itself (connection local).
 
-The playbooks here exercise the rollout_lock and vllm_rollback roles on a scratch release root,
-so each test proves a role's behaviour and the runner's report of it together.
+The playbooks here exercise the rollout_lock and vllm_rollback roles and vllm_install's activation
+and prune on a scratch release root, so each test proves a role's behaviour and the runner's report
+of it together.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from mlafleet import runner
+from mlafleet.ops import runner
 
 LOCK_PLAY = """
 - hosts: all
@@ -56,11 +57,11 @@ def scratch(tmp_path: Path) -> dict[str, Path]:
     return {"root": tmp_path, "inventory": inv, "runner": tmp_path / "runner", "reports": tmp_path / "reports"}
 
 
-def run(scratch: dict[str, Path], play: str, run_id: str, **kw) -> dict:
+def run(scratch: dict[str, Path], play: str, run_id: str, command: str = "rollout", **kw) -> dict:
     playbook = scratch["root"] / f"{run_id}.yml"
     playbook.write_text(play)
     out = io.StringIO()
-    report = runner.run_playbook("rollout", [scratch["inventory"]], run=run_id, out=out, playbook=str(playbook),
+    report = runner.run_playbook(command, [scratch["inventory"]], run=run_id, out=out, playbook=str(playbook),
                                  runner_root=scratch["runner"], report_root=scratch["reports"], **kw)
     report["_out"] = out.getvalue()
     return report
@@ -157,6 +158,55 @@ def test_rollback_role_restores_previous_and_refuses_clearly(scratch):
     named = run(scratch, ROLLBACK_PLAY, "rb-2", limit="h1", extravars={"vllm_rollback_to": "rel-b"})
     assert "not a complete release" in hosts(named)["h1"]["cause"] and "release.json" in hosts(named)["h1"]["cause"]
     assert os.readlink(h1 / "current") == "releases/rel-a"
+
+
+ACTIVATE_PLAY = """
+- hosts: all
+  gather_facts: false
+  tasks:
+    - ansible.builtin.include_role:
+        name: vllm_install
+        tasks_from: activate
+      vars:
+        vllm_install_root: "{{ scratch }}/{{ inventory_hostname }}"
+        vllm_install_release_id: "{{ release }}"
+"""
+SWITCH_TASK = "vllm_install : Switch current to the release atomically (the old target becomes previous)"
+
+
+def test_install_activates_with_the_switch_rollback_uses(scratch):
+    """vllm_install's activation and vllm_rollback switch through one module (mlafleet_release_switch)."""
+    h1 = scratch["root"] / "h1"
+    for release in ("rel-a", "rel-b"):
+        make_release(h1, release)
+    first = run(scratch, ACTIVATE_PLAY, "ac-1", limit="h1", extravars={"release": "rel-a"})
+    assert first["rc"] == 0, first["_out"]
+    assert os.readlink(h1 / "current") == "releases/rel-a" and not (h1 / "previous").exists()
+    assert hosts(first)["h1"]["changed"] == [SWITCH_TASK]
+
+    os.symlink("nowhere", h1 / "current.tmp")  # what an interrupted switch leaves
+    second = run(scratch, ACTIVATE_PLAY, "ac-2", limit="h1", extravars={"release": "rel-b"})
+    assert second["rc"] == 0, second["_out"]
+    assert os.readlink(h1 / "current") == "releases/rel-b" and os.readlink(h1 / "previous") == "releases/rel-a"
+    assert sorted(p.name for p in h1.iterdir()) == ["current", "previous", "releases"]
+
+    # Already current: nothing changes. Check mode reports the switch and makes none.
+    again = run(scratch, ACTIVATE_PLAY, "ac-3", limit="h1", extravars={"release": "rel-b"})
+    assert again["rc"] == 0 and hosts(again)["h1"]["changed"] == [], again["_out"]
+    planned = run(scratch, ACTIVATE_PLAY, "ac-4", command="plan", limit="h1", extravars={"release": "rel-a"})
+    assert planned["rc"] == 0 and planned["check"] and hosts(planned)["h1"]["changed"] == [SWITCH_TASK]
+    assert os.readlink(h1 / "current") == "releases/rel-b" and os.readlink(h1 / "previous") == "releases/rel-a"
+
+    # A release that is not there is refused, and the links stay as they were.
+    missing = run(scratch, ACTIVATE_PLAY, "ac-5", limit="h1", extravars={"release": "rel-x"})
+    assert hosts(missing)["h1"]["status"] == "failed"
+    assert "releases/rel-x is not a directory; nothing was changed" in hosts(missing)["h1"]["cause"]
+    assert os.readlink(h1 / "current") == "releases/rel-b" and os.readlink(h1 / "previous") == "releases/rel-a"
+
+    # The rollback role, through the same module, swaps them back.
+    back = run(scratch, ROLLBACK_PLAY, "ac-6", limit="h1")
+    assert hosts(back)["h1"]["status"] == "ok", back["_out"]
+    assert os.readlink(h1 / "current") == "releases/rel-a" and os.readlink(h1 / "previous") == "releases/rel-b"
 
 
 def test_bad_input_named_and_nothing_started(scratch, tmp_path):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mlafleet.smoke import summarize
+from mlafleet.ops.smoke import summarize
 
 
 def test_summary_names_each_host_and_its_completion(tmp_path: Path):

@@ -1,4 +1,4 @@
-"""mlafleet.status: the probe script on a real release tree, inventory templating, SSH failures.
+"""mlafleet.ops.status: the probe script on a real release tree, inventory templating, SSH failures.
 
 The probe over real SSH to lab hosts is checked in the molecule scenario `rollout`.
 """
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from mlafleet import status
+from mlafleet.ops import status
 
 
 def free_port() -> int:

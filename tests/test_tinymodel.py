@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mlafleet.tinymodel import (_trained_tokenizer_json, build_tokenizer, hf_state_dict, load_config,
+from mlafleet.lab.tinymodel import (_trained_tokenizer_json, build_tokenizer, hf_state_dict, load_config,
                                 shard_counts, split_kv_b,
                                 write_tiny_glm5)
 

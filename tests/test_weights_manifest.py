@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from weights_support import write_model, write_shard
 
-from mlafleet import cli, weights
+from mlafleet import cli
+from mlafleet.weights import shards as weights
 
 
 def test_manifest_lists_every_shard_with_size_sha256_and_header_facts(tmp_path: Path) -> None:
@@ -142,6 +143,6 @@ def test_load_manifest_refuses_an_incomplete_shard_list(tmp_path: Path) -> None:
 
 
 def test_registered_with_the_cli() -> None:
-    assert cli.COMMANDS["weights"] == "mlafleet.weights"
+    assert cli.COMMANDS["weights"] == "mlafleet.weights.shards"
     args = cli.build_parser().parse_args(["weights", "verify", "--manifest", "m.json", "/models/x"])
     assert args.func.__name__ == "cmd_verify" and args.dest == "/models/x"

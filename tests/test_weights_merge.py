@@ -12,9 +12,8 @@ import pytest
 from gguf import GGUFReader
 from weights_support import write_model
 
-from mlafleet import weights
-
-merger = weights.merger()
+from ansible_collections.mlafleet.fleet.plugins.module_utils import gguf_merge as merger
+from mlafleet.weights import shards as weights
 
 
 def tensors_of(paths: list[Path]) -> dict[str, tuple[int, list[int], bytes]]:

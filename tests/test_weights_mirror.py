@@ -45,7 +45,7 @@ def test_ranges_head_and_refusals(tmp_path: Path) -> None:
 
 
 def test_mirror_refuses_a_missing_root(tmp_path: Path) -> None:
-    from mlafleet.weights_mirror import MirrorServer
+    from mlafleet.weights.mirror import MirrorServer
 
     with pytest.raises(ValueError, match="is not a directory"):
         MirrorServer(str(tmp_path / "nope"), ("127.0.0.1", 0))

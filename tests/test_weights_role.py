@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from weights_support import TOKEN, hub, mirror, write_model
 
-from mlafleet import weights
+from mlafleet.weights import shards as weights
 
 REPO = Path(__file__).resolve().parent.parent
 PLUGIN = REPO / "plugins" / "filter" / "gguf_weights_fanout.py"

@@ -1,7 +1,7 @@
 """Staging: HTTP mirror with resume, local path, peer rsync, hub token, stamps, space, corruption.
 
-Everything runs the host-side module the gguf_weights role ships
-(plugins/modules/gguf_weights_stage.py) against real files and real servers.
+Everything runs the host-side staging code the gguf_weights role ships with its module
+(plugins/module_utils/gguf_stage.py) against real files and real servers.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from pathlib import Path
 import pytest
 from weights_support import TOKEN, HubHandler, hub, mirror, serving, write_model
 
-from mlafleet import weights
-from mlafleet.weights_mirror import MirrorHandler
+from ansible_collections.mlafleet.fleet.plugins.module_utils import digest
+from ansible_collections.mlafleet.fleet.plugins.module_utils import gguf_stage as host
+from mlafleet.weights import shards as weights
+from mlafleet.weights.mirror import MirrorHandler
 
-host = weights.stager()
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -380,14 +381,15 @@ def test_check_manifest_accepts_a_complete_one() -> None:
 
 
 def test_host_module_needs_only_the_standard_library() -> None:
-    """Hosts have Debian's python3 and nothing else: the module must import with -I -S, given only
-    what Ansible ships with it (the collection's module_utils, on the path as in AnsiballZ)."""
+    """Hosts have Debian's python3 and nothing else: the modules must import with -I -S, given only
+    what Ansible ships with them (the collection's module_utils, on the path as in AnsiballZ)."""
+    modules = REPO / "plugins" / "modules"
     code = textwrap.dedent(f"""
         import importlib.util, sys
-        sys.path.insert(0, {str(weights.COLLECTIONS)!r})
-        spec = importlib.util.spec_from_file_location("m", {str(weights.LIBRARY / 'gguf_weights_stage.py')!r})
+        sys.path.insert(0, {str(REPO / 'collections')!r})
+        spec = importlib.util.spec_from_file_location("m", {str(modules / 'gguf_weights_stage.py')!r})
         module = importlib.util.module_from_spec(spec); sys.modules["m"] = module; spec.loader.exec_module(module)
-        spec = importlib.util.spec_from_file_location("g", {str(weights.LIBRARY / 'gguf_weights_merge.py')!r})
+        spec = importlib.util.spec_from_file_location("g", {str(modules / 'gguf_weights_merge.py')!r})
         module = importlib.util.module_from_spec(spec); sys.modules["g"] = module; spec.loader.exec_module(module)
         print(sorted(n for n in sys.modules if n.split(".")[0] in ("ansible", "gguf", "numpy", "yaml")))
         print(sorted(n for n in sys.modules if n.startswith("ansible_collections.")))
@@ -395,10 +397,11 @@ def test_host_module_needs_only_the_standard_library() -> None:
     out = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, check=True)
     third_party, collection = out.stdout.splitlines()
     assert third_party == "[]"
-    # Only the collection's own module_utils (the namespace packages above it included).
-    assert ast.literal_eval(collection)[-1] == "ansible_collections.mlafleet.fleet.plugins.module_utils.digest"
-    assert all("ansible_collections.mlafleet.fleet.plugins.module_utils.digest".startswith(n)
-               for n in ast.literal_eval(collection))
+    # Only the collection's own module_utils (the namespace packages above them included).
+    utils = "ansible_collections.mlafleet.fleet.plugins.module_utils"
+    loaded = ast.literal_eval(collection)
+    assert {n for n in loaded if n.startswith(utils + ".")} == {f"{utils}.{m}" for m in ("digest", "gguf_merge", "gguf_stage")}
+    assert all(utils.startswith(n) or n.startswith(utils + ".") for n in loaded)
 
 
 def _flip(path: Path, offset: int) -> None:
@@ -506,8 +509,8 @@ def test_one_pass_hash_gives_the_file_and_chunk_sha256(tmp_path: Path) -> None:
         path = tmp_path / f"blob{size}"
         data = os.urandom(size)
         path.write_bytes(data)
-        digest, chunks = host.hash_file(str(path), 1 << 20)
-        assert digest == hashlib.sha256(data).hexdigest()
+        whole, chunks = digest.hash_file(str(path), 1 << 20)
+        assert whole == hashlib.sha256(data).hexdigest()
         want = [hashlib.sha256(data[i:i + (1 << 20)]).hexdigest() for i in range(0, size, 1 << 20)] or \
             [hashlib.sha256(b"").hexdigest()]
         assert chunks == want, size
@@ -516,7 +519,7 @@ def test_one_pass_hash_gives_the_file_and_chunk_sha256(tmp_path: Path) -> None:
 def test_sha256_matches_hashlib(tmp_path: Path) -> None:
     path = tmp_path / "blob"
     path.write_bytes(os.urandom(3 << 20))
-    assert host.sha256_file(str(path)) == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert digest.sha256_file(str(path)) == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 RRSYNC_SSH = """\

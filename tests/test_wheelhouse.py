@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mlafleet import wheelhouse
+from mlafleet.ops import wheelhouse
 
 
 def test_every_release_lock_is_fully_pinned():

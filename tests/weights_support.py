@@ -16,7 +16,7 @@ from typing import Iterator
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 
-from mlafleet.weights_mirror import MirrorHandler, MirrorServer
+from mlafleet.weights.mirror import MirrorHandler, MirrorServer
 
 
 def write_model(directory: Path, name: str = "tiny-glm", shards: int = 3, tensors_per_shard: int = 2,

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LAB_DIR = REPO / ".lab"
 KEY = LAB_DIR / "ssh" / "id_ed25519"
 RECIPE_DIR = REPO / "files" / "lab"
@@ -137,12 +137,13 @@ def build_base_image(force: bool = False) -> str:
 
 
 def release_inputs_hash(extra: tuple[str, ...] = ()) -> str:
-    """What a pre-installed release image depends on: the base image, the install recipe, and the
-    default line's patch set manifest (its release id is derived from the lock and that manifest,
-    so a changed patch set is a release the image does not hold)."""
+    """What a pre-installed release image depends on: the base image, the install recipe (the role
+    and the module that switches `current`), and the default line's patch set manifest (its release
+    id is derived from the lock and that manifest, so a changed patch set is a release the image
+    does not hold)."""
     h = hashlib.sha256(recipe_hash().encode())
-    for root in ("roles/vllm_install", "requirements/releases", "mlafleet/labmodel.py",
-                 f"files/vllm/{LAB_LINES[0]}/manifest.json", *extra):
+    for root in ("roles/vllm_install", "plugins/modules/mlafleet_release_switch.py", "requirements/releases",
+                 "mlafleet/lab/labmodel.py", f"files/vllm/{LAB_LINES[0]}/manifest.json", *extra):
         paths = [REPO / root] if (REPO / root).is_file() else sorted((REPO / root).rglob("*"))
         for path in paths:
             if path.is_file():
@@ -206,7 +207,7 @@ def _install_into_image(image: str, tag: str, lines: tuple[str, ...], keep_curre
 
 def write_lab_model() -> Path:
     """The tiny Llama the lab serves, written once into .lab/models/tiny-llama."""
-    from mlafleet.labmodel import write_tiny_llama
+    from mlafleet.lab.labmodel import write_tiny_llama
 
     out = LAB_DIR / "models" / "tiny-llama"
     if not (out / "model.safetensors").exists():

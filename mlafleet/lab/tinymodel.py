@@ -36,7 +36,7 @@ import gguf
 import numpy as np
 import torch
 
-CONFIG_PATH = Path(__file__).resolve().parent.parent / "files" / "models" / "tiny-glm5" / "config.json"
+CONFIG_PATH = Path(__file__).resolve().parents[2] / "files" / "models" / "tiny-glm5" / "config.json"
 
 GGUF_NAME = "tiny-glm5"
 # GGUF tensor types the writer can produce (numpy quantisers in the `gguf` package).

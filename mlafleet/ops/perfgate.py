@@ -12,7 +12,7 @@ controller, what that measurement means:
   baseline: this measurement becomes the release's baseline. A regression can be accepted with
   a reason, which is recorded in the report and in the baseline kept beside the release.
 
-Both read one JSON object on stdin and print one on stdout (`python -m mlafleet.perfgate plan`),
+Both read one JSON object on stdin and print one on stdout (`python -m mlafleet.ops.perfgate plan`),
 and exit 2 with the problem named on stderr for bad input. Standard library only, so any Python
 that runs Ansible runs it.
 """
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     commands = {"plan": plan, "compare": compare}
     if len(argv) != 1 or argv[0] not in commands:
-        print(f"usage: python -m mlafleet.perfgate {{{','.join(commands)}}} < request.json", file=sys.stderr)
+        print(f"usage: python -m mlafleet.ops.perfgate {{{','.join(commands)}}} < request.json", file=sys.stderr)
         return 2
     try:
         request = json.loads(sys.stdin.read() or "{}")

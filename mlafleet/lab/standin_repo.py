@@ -17,7 +17,7 @@ exactly what the roles' reboot decision reads.
 
 Needs ``dpkg-deb`` (Debian package ``dpkg``) and ``gpg`` (Debian package ``gnupg``); stdlib otherwise.
 
-    python -m mlafleet.standin_repo --out DIR --kernel-release "$(uname -r)"
+    python -m mlafleet.lab.standin_repo --out DIR --kernel-release "$(uname -r)"
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gzip
-import hashlib
 import json
 import shutil
 import subprocess
@@ -34,6 +33,8 @@ import tempfile
 import textwrap
 from email.utils import formatdate
 from pathlib import Path
+
+from ansible_collections.mlafleet.fleet.plugins.module_utils.digest import sha256_bytes
 
 STANDIN = "STAND-IN (mlafleet lab, not NVIDIA software)"
 MAINTAINER = "mlafleet lab stand-ins <standin@mlafleet.invalid>"
@@ -461,7 +462,7 @@ def packages_index(debs: list[Path], repo_dir: Path, controls: dict[Path, str]) 
         paragraphs.append(controls[deb].rstrip("\n") + "\n"
                           f"Filename: ./{deb.relative_to(repo_dir)}\n"
                           f"Size: {len(data)}\n"
-                          f"SHA256: {hashlib.sha256(data).hexdigest()}\n")
+                          f"SHA256: {sha256_bytes(data)}\n")
     return "\n".join(paragraphs)
 
 
@@ -470,7 +471,7 @@ def release_file(repo_dir: Path, index_names: list[str]) -> str:
              "Architectures: amd64 all", f"Date: {formatdate(usegmt=True)}", "SHA256:"]
     for name in index_names:
         data = (repo_dir / name).read_bytes()
-        lines.append(f" {hashlib.sha256(data).hexdigest()} {len(data):>16} {name}")
+        lines.append(f" {sha256_bytes(data)} {len(data):>16} {name}")
     return "\n".join(lines) + "\n"
 
 

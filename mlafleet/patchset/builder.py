@@ -5,7 +5,7 @@ Everything for one vLLM release lives in `files/vllm/<version>/`:
 - `patchset.yml`: `vllm_version`, the pinned `wheel` ({filename, sha256}) of vLLM, optionally
   `other_wheels`, further distributions installed beside vLLM whose files the set edits too
   ({distribution, version, filename, sha256} each, e.g. vllm-gguf-plugin), and `ship`, modules
-  of this repository copied in at build time, `{src: mlafleet/<mod>.py, dest: <path>.py}` (our
+  of this repository copied in at build time, `{src: mlafleet/<dir>/<mod>.py, dest: <path>.py}` (our
   kernels go to `vllm/third_party/mlafleet_kernels/`, which then gets an `__init__.py`);
 - `edits/<name>.yml`: `target` (a path inside site-packages, in exactly one of the pinned
   wheels) and `edits`, each with `why`, `anchor` (a Python regex, re.MULTILINE, that must match
@@ -30,7 +30,6 @@ changes unless the whole build succeeds.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -44,8 +43,9 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import yaml
+from ansible_collections.mlafleet.fleet.plugins.module_utils.digest import sha256_bytes, sha256_file
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PATCHSETS_DIR = REPO_ROOT / "files" / "vllm"
 DEFAULT_BUILD_DIR = REPO_ROOT / "build" / "patchset"
 ACTIONS = ("insert_after", "insert_before", "replace")
@@ -103,18 +103,6 @@ class Spec:
     @property
     def wheel_sha256(self) -> str:
         return self.wheels[0].sha256
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def supported_versions(patchsets_dir: Path = PATCHSETS_DIR) -> list[str]:
@@ -275,7 +263,7 @@ def apply_edit(text: str, edit: Edit, target: str) -> str:
 
 
 def default_cache_dir() -> Path:
-    from mlafleet.wheelhouse import cache_dir
+    from mlafleet.ops.wheelhouse import cache_dir
 
     return cache_dir() / "dl"
 

@@ -10,16 +10,16 @@ when its marker holds the lock file's sha256.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from ansible_collections.mlafleet.fleet.plugins.module_utils.digest import sha256_file
 from packaging.version import Version
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RELEASES = REPO / "requirements" / "releases"
 MARKER = ".mlafleet-complete"
 
@@ -42,7 +42,7 @@ def wheelhouse_dir(release: str) -> Path:
 
 def is_complete(release: str) -> bool:
     marker = wheelhouse_dir(release) / MARKER
-    digest = hashlib.sha256(lock_path(release).read_bytes()).hexdigest()
+    digest = sha256_file(lock_path(release))
     return marker.is_file() and marker.read_text().strip() == digest
 
 
@@ -62,7 +62,7 @@ def build(release: str) -> Path:
         if subprocess.run(cmd, check=False).returncode != 0:
             raise RuntimeError(f"pip download for {lock.name} failed; the wheelhouse in {dest} is incomplete")
     keep_only_pinned(dest, lock)
-    (dest / MARKER).write_text(hashlib.sha256(lock.read_bytes()).hexdigest() + "\n")
+    (dest / MARKER).write_text(sha256_file(lock) + "\n")
     return dest
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import os
 import re
@@ -29,8 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
-REPO = Path(__file__).resolve().parent.parent
-CHECK_VARS_PLUGIN = REPO / "plugins" / "action" / "mlafleet_check_vars.py"
+REPO = Path(__file__).resolve().parents[2]
 
 # Which playbook each command runs, and whether it runs in check mode.
 COMMAND_PLAYBOOKS: dict[str, tuple[str, bool]] = {
@@ -218,12 +216,9 @@ def mask(value: Any, secrets: list[str]) -> Any:
 @functools.cache
 def no_log_variables() -> frozenset[str]:
     """The variables some role (or playbook) declares no_log in its argument specs."""
-    spec = importlib.util.spec_from_file_location("mlafleet_check_vars", CHECK_VARS_PLUGIN)
-    if spec is None or spec.loader is None:
-        raise RunnerError(f"{CHECK_VARS_PLUGIN} is missing")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return frozenset(n for n, o in module.declared_variables(REPO).items() if o.get("no_log"))
+    from ansible_collections.mlafleet.fleet.plugins.plugin_utils.check_vars import declared_variables
+
+    return frozenset(n for n, o in declared_variables(REPO).items() if o.get("no_log"))
 
 
 def is_secret(name: str) -> bool:
@@ -503,7 +498,7 @@ def run_playbook(command: str, inventories: list[Path], extravars: dict[str, Any
     out.write(text)
     out.write(f"report: {report_dir / 'run.json'}, summary: {report_dir / 'summary.txt'}\n")
     # perf gate / rollout report: the HTML again, now with run.json's statuses and causes.
-    from mlafleet.report import render_quietly
+    from mlafleet.ops.report import render_quietly
 
     out.write(f"rollout report: {render_quietly(report_dir)}\n")
     return report

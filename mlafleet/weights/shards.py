@@ -4,17 +4,18 @@
   with the `gguf` package and checks that split.no / split.count / split.tensors.count agree
   and that the shards belong to one model, then writes a JSON manifest.
 - `stage`, `verify` and `merge` run the same host-side code that the gguf_weights role ships to
-  hosts (the collection's modules, plugins/modules/), here on the controller or a shared filesystem.
-- `serve DIR` runs a ranged HTTP mirror (mlafleet.weights_mirror).
+  hosts (the collection's module_utils gguf_stage and gguf_merge, which its modules call), here on
+  the controller or a shared filesystem, imported by their collection name.
+- `serve DIR` runs a ranged HTTP mirror (mlafleet.weights.mirror).
 
-The module imports only the standard library at import time (the CLI builds every subparser).
+The module imports only the standard library and those module_utils at import time (the CLI
+builds every subparser).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import os
 import re
@@ -24,15 +25,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import IO, Callable
 
-REPO = Path(__file__).resolve().parent.parent
-# The collection's modules; the staging module imports its sha256 from the collection's
-# module_utils (ansible_collections.mlafleet.fleet.plugins.module_utils), which the checkout's
-# collections/ (ansible_collections/mlafleet/fleet -> the repository root) makes importable.
-LIBRARY = REPO / "plugins" / "modules"
-COLLECTIONS = REPO / "collections"
+from ansible_collections.mlafleet.fleet.plugins.module_utils import gguf_merge, gguf_stage
+from ansible_collections.mlafleet.fleet.plugins.module_utils.digest import hash_file
+
 MANIFEST_FORMAT = "mlafleet-gguf-manifest/1"
 SHARD_RE = re.compile(r"^(?P<model>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 CHUNK = 8 << 20
@@ -41,31 +38,6 @@ HUB_TOKEN_ENV = "MLAFLEET_HUB_TOKEN"
 
 class WeightsError(Exception):
     """A manifest or staging problem, with a message that names it."""
-
-
-def _load_library(name: str) -> ModuleType:
-    path = LIBRARY / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"mlafleet_role_{name}", path)
-    if spec is None or spec.loader is None or not path.is_file():
-        raise WeightsError(f"{path} is missing: run mlafleet from its repository checkout")
-    if str(COLLECTIONS) not in sys.path:
-        sys.path.append(str(COLLECTIONS))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-@functools.cache
-def stager() -> ModuleType:
-    """The host-side staging code (plugins/modules/gguf_weights_stage.py)."""
-    return _load_library("gguf_weights_stage")
-
-
-@functools.cache
-def merger() -> ModuleType:
-    """The host-side streamed merge (plugins/modules/gguf_weights_merge.py)."""
-    return _load_library("gguf_weights_merge")
 
 
 # --- progress --------------------------------------------------------------------------------
@@ -115,11 +87,11 @@ class Progress:
 def hash_files(paths: list[Path], jobs: int, progress: Progress | None = None,
                 chunk_size: int = 0) -> dict[Path, tuple[str, list[str]]]:
     """sha256 of several files, `jobs` at a time, with the sha256 of every chunk_size bytes
-    (the staging module's one-pass hash, so the manifest and the hosts' checks cannot differ)."""
+    (the one-pass hash of the hosts' staging, so the manifest and the hosts' checks cannot differ)."""
     advance = progress.advance if progress else (lambda _n: None)
 
     def one(path: Path) -> tuple[Path, tuple[str, list[str]]]:
-        digest, chunks = stager().hash_file(str(path), chunk_size, advance)
+        digest, chunks = hash_file(str(path), chunk_size, advance)
         if progress:
             progress.note(f"{path.name}  {digest}")
         return path, (digest, chunks)
@@ -222,7 +194,7 @@ def build_manifest(directory: Path, model: str | None = None, jobs: int = 4,
                    progress_stream: IO[str] | None = None, chunk_size: int | None = None) -> dict:
     """The manifest of one model's shards in `directory`: headers checked, sha256 in parallel,
     with the sha256 of every chunk_size bytes (default 64 MiB) for the hosts' spot checks."""
-    chunk_size = stager().MANIFEST_CHUNK if chunk_size is None else chunk_size
+    chunk_size = gguf_stage.MANIFEST_CHUNK if chunk_size is None else chunk_size
     paths = find_shards(directory, model)
     headers = [read_split_header(p) for p in paths]
     summary = check_split_headers(headers)
@@ -243,8 +215,8 @@ def build_manifest(directory: Path, model: str | None = None, jobs: int = 4,
                    for p, h in zip(paths, headers)],
     }
     try:  # what the role and the host module will check: a name they refuse is refused here already
-        stager().check_manifest(manifest)
-    except stager().StageError as err:
+        gguf_stage.check_manifest(manifest)
+    except gguf_stage.StageError as err:
         raise WeightsError(f"{directory}: {err}") from None
     return manifest
 
@@ -256,8 +228,8 @@ def load_manifest(path: Path) -> dict:
     except (OSError, ValueError) as err:
         raise WeightsError(f"cannot read manifest {path}: {err}") from None
     try:
-        stager().check_manifest(manifest)
-    except stager().StageError as err:
+        gguf_stage.check_manifest(manifest)
+    except gguf_stage.StageError as err:
         raise WeightsError(f"{path}: {err}") from None
     return manifest
 
@@ -301,22 +273,21 @@ def cmd_manifest(args: argparse.Namespace) -> int:
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
-    host = stager()
     manifest = load_manifest(Path(args.manifest))
     specs = _source_specs(args)
     secrets = [s.get("token", "") for s in specs]
 
     def log(message: str) -> None:
-        print(host.redact(message, secrets), file=sys.stderr, flush=True)
+        print(gguf_stage.redact(message, secrets), file=sys.stderr, flush=True)
 
     try:
-        shards = host.parse_shards(manifest["shards"])
-        sources = [host.make_source(spec, args.timeout) for spec in specs]
-        result = host.stage(args.dest, shards, sources, verify=args.verify, retries=args.retries,
-                            reserve=args.reserve_mb << 20, check_mode=args.check, log=log,
-                            spot_chunks=args.spot_chunks)
-    except host.StageError as err:
-        raise WeightsError(host.redact(str(err), secrets)) from None
+        shards = gguf_stage.parse_shards(manifest["shards"])
+        sources = [gguf_stage.make_source(spec, args.timeout) for spec in specs]
+        result = gguf_stage.stage(args.dest, shards, sources, verify=args.verify, retries=args.retries,
+                                  reserve=args.reserve_mb << 20, check_mode=args.check, log=log,
+                                  spot_chunks=args.spot_chunks)
+    except gguf_stage.StageError as err:
+        raise WeightsError(gguf_stage.redact(str(err), secrets)) from None
     verb = "would fetch" if args.check else "fetched"
     print(f"{args.dest}: {result['present']} of {result['expected']} shards verified; {verb} "
           f"{len(result['fetched'])}, re-stamped {len(result['restamped'])}", file=sys.stderr)
@@ -324,12 +295,11 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    host = stager()
     manifest = load_manifest(Path(args.manifest))
     try:
-        result = host.prove_present(args.dest, host.parse_shards(manifest["shards"]), args.verify,
-                                    args.spot_chunks)
-    except host.StageError as err:
+        result = gguf_stage.prove_present(args.dest, gguf_stage.parse_shards(manifest["shards"]), args.verify,
+                                          args.spot_chunks)
+    except gguf_stage.StageError as err:
         raise WeightsError(str(err)) from None
     print(f"{args.dest}: all {result['present']} of {result['expected']} shards present and verified; "
           f"{result['spot_check']['summary']}", file=sys.stderr)
@@ -337,13 +307,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    host = stager()
     manifest = load_manifest(Path(args.manifest))
     try:
-        shards = host.parse_shards(manifest["shards"])
-        host.prove_present(args.dest, shards)
-        result = merger().merge(args.dest, [s.name for s in shards], args.output)
-    except (host.StageError, merger().MergeError) as err:
+        shards = gguf_stage.parse_shards(manifest["shards"])
+        gguf_stage.prove_present(args.dest, shards)
+        result = gguf_merge.merge(args.dest, [s.name for s in shards], args.output)
+    except (gguf_stage.StageError, gguf_merge.MergeError) as err:
         raise WeightsError(str(err)) from None
     state = "written" if result["changed"] else "up to date"
     print(f"{args.output}: {result['tensors']} tensors, {result['size']} bytes, {state}", file=sys.stderr)
@@ -351,7 +320,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from mlafleet import weights_mirror
+    from mlafleet.weights import mirror as weights_mirror
 
     return weights_mirror.run(args)
 
@@ -418,7 +387,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     merge.set_defaults(func=_guarded(cmd_merge))
 
     serve = commands.add_parser("serve", help="serve DIR over HTTP with byte ranges (a mirror)")
-    from mlafleet import weights_mirror
+    from mlafleet.weights import mirror as weights_mirror
 
     weights_mirror.add_arguments(serve)
     serve.set_defaults(func=_guarded(cmd_serve))
