@@ -34,6 +34,15 @@ def _run(backend="FLASHMLA_SPARSE", indexer="deepgemm", kv="auto", chunk=None):
                             "decode_tok_s": 130.0, "output_tok_s": 128.0}]}
 
 
+def _written(tmp_path, runs: dict) -> list[str]:
+    """Each run as NAME.json, the way bench/engine_gpu.sh leaves them for `compare`."""
+    paths = []
+    for name, run in runs.items():
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(run))
+    return [str(p) for p in paths]
+
+
 def test_identical_runs_agree_everywhere(e2e):
     ref = _run()
     rows = e2e._pair(ref, copy.deepcopy(ref))
@@ -62,11 +71,7 @@ def test_compare_pairs_runs_with_their_own_reference_only(e2e, tmp_path, capsys)
     runs = {"ref": _run(), "ref-fp8": _run(kv="fp8_ds_mla"), "ours": _run("TRITON_MLA_SPARSE", "fallback"),
             "ours-fp8": _run("TRITON_MLA_SPARSE", "fallback", kv="fp8_ds_mla"), "chunked": _run(chunk=2048)}
     runs["ours-fp8"]["requests"][1]["tokens"][0] = 1
-    paths = []
-    for name, run in runs.items():
-        paths.append(tmp_path / f"{name}.json")
-        paths[-1].write_text(json.dumps(run))
-    e2e.compare([str(p) for p in paths])
+    e2e.compare(_written(tmp_path, runs))
     out = capsys.readouterr().out
     pairs = [line for line in out.splitlines() if line.startswith("| FLASHMLA_SPARSE + DeepGEMM indexer") and "| 3000 |" in line]
     # ours against ref, ours-fp8 against ref-fp8, the chunked reference against ref: never across KV dtypes
@@ -82,11 +87,7 @@ def test_vllms_own_backend_choice_is_a_reference_too(e2e, tmp_path, capsys):
     runs = {"auto": _run("auto"), "ours": _run("TRITON_MLA_SPARSE", "fallback"),
             "mixed": _run("auto", "fallback")}
     runs["ours"]["requests"][0]["tokens"][3] = 7
-    paths = []
-    for name, run in runs.items():
-        paths.append(tmp_path / f"{name}.json")
-        paths[-1].write_text(json.dumps(run))
-    e2e.compare([str(p) for p in paths])
+    e2e.compare(_written(tmp_path, runs))
     out = capsys.readouterr().out
     pairs = [line for line in out.splitlines() if line.startswith("| vLLM's own choice + DeepGEMM indexer")
              and "/8 |" in line]
