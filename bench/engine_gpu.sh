@@ -118,6 +118,8 @@ finish() {
 
 m=$models/tiny-glm5 m8=$models/tiny-glm5-8heads
 ref="--backend FLASHMLA_SPARSE --indexer deepgemm" ours="--backend TRITON_MLA_SPARSE --indexer fallback"
+# every phase's run logs go to its OUT_DIR as they are written (a stopped call still brings them back)
+[ "${1:-}" != setup ] && [ -d "${2:-}" ] && export LOGS=$2
 case ${1:-} in
   setup) setup "$2" "${3:-}" ;;
   vllm-tests)
@@ -150,8 +152,8 @@ PY
     ) > "$2/$tag.txt" 2>&1
     echo "rc $?"; cat "$2/$tag.txt"; grep -hE "^(FAILED|ERROR)" "$2/$tag"-shard*.txt | head -30 ;;
   line)
-    # one GPU, resumable; each step's log comes back in OUT_DIR (LOGS)
-    export LOGS=$2 RUN_TIMEOUT=400
+    # one GPU, resumable
+    export RUN_TIMEOUT=400
     began=$SECONDS
     step() {  # NAME ARGS...: one run unless it has a result or too little of the call is left
       local name=$1; shift
