@@ -15,7 +15,7 @@ from its 3 GGUF shards through the patch set's glm-dsa loader. Prompts are token
    with 1 output token (prefill) and once with 65 (ignore_eos); decode tok/s = batch x 64 /
    (t65 - t1), output tok/s = batch x 65 / t65. Each batch size gets an untimed pass at the timed
    shapes first (kernels compile per shape on first use); each timing is the faster of two.
-   The engine runs eagerly (no CUDA graphs), the same for every backend.
+   The engine runs eagerly unless --graphs (vLLM's default torch.compile + CUDA graphs), the same for every backend.
 
 --indexer fallback sets MLAFLEET_INDEXER_FALLBACK=1 (the DeepGEMM-free indexer) and
 MLAFLEET_INDEXER_TOPK (default triton: the top-k that SM120 runs); deepgemm leaves vLLM's own
