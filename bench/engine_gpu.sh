@@ -29,7 +29,8 @@
 #   bench/engine_gpu.sh vllm-tests OUT_DIR [FIRST] [SHARDS]  vLLM's own tests/v1/attention/test_sparse_mla_backends.py
 #                                          (the line's sdist) with TRITON_MLA_SPARSE added to its backends
 #                                          (bench/vllm_sparse_mla_plugin.py), on the patched install,
-#                                          from its FIRST-th item on (default 1), in SHARDS pytest
+#                                          from its FIRST-th item on (default 1; a FIRST that is not a
+#                                          number picks the items whose id contains it), in SHARDS pytest
 #                                          processes side by side on the GPU (default 1; items dealt round robin)
 #   (setup PARTS_DIR --no-models skips the tiny GLM-5, which only the engine phases need)
 #
@@ -129,10 +130,12 @@ case ${1:-} in
     # from the FIRST-th on (1-based, in the file's collection order), so a second call takes the
     # rest; SHARDS processes side by side (the cases are small next to an H200) take it in one.
     first=${3:-1} shards=${4:-1} tag=vllm-tests-$line-from-${3:-1}
+    tag=${tag//[^A-Za-z0-9._-]/_}
     (cd "$work/vllm-tests" && export HF_HOME="$work/bundle/hf-home" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
        PYTHONPATH="$OLDPWD/bench" && plugin=(-p vllm_sparse_mla_plugin -p no:cacheprovider) &&
      "$venv/bin/python" -m pytest "${plugin[@]}" -q --collect-only tests/v1/attention/test_sparse_mla_backends.py |
-       grep '::' | tail -n +"$first" > "$work/vllm-tests-ids.txt"
+       grep '::' | { if [[ $first =~ ^[0-9]+$ ]]; then tail -n +"$first"; else grep -F -- "$first"; fi; } \
+       > "$work/vllm-tests-ids.txt"
      [ -s "$work/vllm-tests-ids.txt" ] || { echo "no test items collected from item $first on"; exit 1; }
      echo "items $first.. of the file: $(wc -l < "$work/vllm-tests-ids.txt"), in $shards process(es)"
      pids=()
