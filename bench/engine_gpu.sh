@@ -136,7 +136,7 @@ case ${1:-} in
      "$venv/bin/python" -m pytest "${plugin[@]}" -q --collect-only tests/v1/attention/test_sparse_mla_backends.py |
        grep '::' | { if [[ $first =~ ^[0-9]+$ ]]; then tail -n +"$first"; else grep -F -- "$first"; fi; } \
        > "$work/vllm-tests-ids.txt"
-     [ -s "$work/vllm-tests-ids.txt" ] || { echo "no test items collected from item $first on"; exit 1; }
+     [ -s "$work/vllm-tests-ids.txt" ] || { echo "no test items collected for FIRST=$first"; exit 1; }
      echo "items $first.. of the file: $(wc -l < "$work/vllm-tests-ids.txt"), in $shards process(es)"
      pids=()
      for k in $(seq 0 $((shards - 1))); do
