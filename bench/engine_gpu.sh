@@ -119,6 +119,9 @@ finish() {
 
 m=$models/tiny-glm5 m8=$models/tiny-glm5-8heads
 ref="--backend FLASHMLA_SPARSE --indexer deepgemm" ours="--backend TRITON_MLA_SPARSE --indexer fallback"
+# a machine that was given back and started afresh has no /tmp/e2e: say so, not a later phase's error
+[ "${1:-}" = setup ] || [ -x "$venv/bin/python" ] || [ -z "${1:-}" ] ||
+  { echo "no setup on this machine ($venv is missing: the machine was started afresh?): carry the parts again and run: $0 setup PARTS_DIR" >&2; exit 3; }
 # every phase's run logs go to its OUT_DIR as they are written (a stopped call still brings them back)
 [ "${1:-}" != setup ] && [ -d "${2:-}" ] && export LOGS=$2
 case ${1:-} in
