@@ -17,6 +17,11 @@ from its 3 GGUF shards through the patch set's glm-dsa loader. Prompts are token
    shapes first (kernels compile per shape on first use); each timing is the faster of two.
    The engine runs eagerly unless --graphs (vLLM's default torch.compile + CUDA graphs), the same for every backend.
 
+3. With --profile DIR, a profile of the decode steps at batch 32 (3000-token prompts): vLLM's
+   own torch profiler in the engine's worker, started PROFILE_DELAY engine steps into the batch
+   (past its prefill chunks) for PROFILE_STEPS steps; the GPU kernels' time per step, by kernel,
+   from the trace it writes to DIR (`compare` prints the runs' profiles side by side).
+
 --indexer fallback sets MLAFLEET_INDEXER_FALLBACK=1 (the DeepGEMM-free indexer) and
 MLAFLEET_INDEXER_TOPK (default triton: the top-k that SM120 runs); deepgemm leaves vLLM's own
 DeepGEMM indexer. bench/engine_gpu.sh keeps each run's log and prints the engine's lines naming
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import gzip
 import json
 import os
 import sys
@@ -37,6 +43,13 @@ GREEDY_TOKENS = 32
 BATCHES = (1, 32)
 THROUGHPUT_PROMPT = 3000
 DECODE_TOKENS = 64
+PROFILE_BATCH = 32
+# engine steps before the profile starts: the batch's prefill (32 x 3000 tokens) is done in
+# ceil(96000 / max_num_batched_tokens) steps, at most 47 for vLLM's smallest default (2048)
+PROFILE_DELAY = 48
+PROFILE_STEPS = 16
+FORWARD_SCOPE = "gpu_model_runner: forward"  # vLLM's annotation of each step's forward pass
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 def _prompts(lengths: list[int], seed: int, vocab: int) -> list:
@@ -53,6 +66,8 @@ def run(args: argparse.Namespace) -> None:
         os.environ["MLAFLEET_INDEXER_TOPK"] = args.topk
     else:
         os.environ.pop("MLAFLEET_INDEXER_FALLBACK", None)
+    if args.profile:  # vLLM's per-step scopes (the step count of a profile)
+        os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
     from vllm import LLM, SamplingParams
 
     config = json.load(open(os.path.join(args.model, "config.json")))
@@ -63,7 +78,8 @@ def run(args: argparse.Namespace) -> None:
               seed=0, gpu_memory_utilization=0.45, kv_cache_dtype=args.kv, enable_prefix_caching=False,
               tensor_parallel_size=args.tp, disable_custom_all_reduce=True, max_num_seqs=64,
               **({} if args.backend == "auto" else {"attention_config": {"backend": args.backend}}),
-              **({"max_num_batched_tokens": args.chunk} if args.chunk else {}))
+              **({"max_num_batched_tokens": args.chunk} if args.chunk else {}),
+              **({"profiler_config": _profiler_config(args.profile)} if args.profile else {}))
     result = {"backend": args.backend, "kv_cache_dtype": args.kv, "indexer": args.indexer,
               "topk": args.topk if args.indexer == "fallback" else "vllm", "weights": "gguf" if args.gguf else "safetensors",
               "tp": args.tp, "heads": config["num_attention_heads"], "chunk": args.chunk, "graphs": args.graphs, "engine_start_s": round(time.perf_counter() - start, 1)}
@@ -105,9 +121,100 @@ def run(args: argparse.Namespace) -> None:
             "prefill_tok_s": round(batch * THROUGHPUT_PROMPT / t1),
             "decode_tok_s": round(batch * DECODE_TOKENS / (t65 - t1), 1),
             "output_tok_s": round(batch * (DECODE_TOKENS + 1) / t65, 1)})
-    with open(args.out, "w") as handle:
+    with open(args.out, "w") as handle:  # written before the profile, which may fail on its own
         json.dump(result, handle)
     print(json.dumps({k: v for k, v in result.items() if k != "requests"}), flush=True)
+    if args.profile:
+        prompts = _prompts([THROUGHPUT_PROMPT] * PROFILE_BATCH, 3000, vocab)
+        params = SamplingParams(temperature=0.0, max_tokens=PROFILE_DELAY + PROFILE_STEPS + 8, ignore_eos=True,
+                                detokenize=False)
+        before = set(_traces(args.profile))
+        llm.start_profile()
+        llm.generate(prompts, params, use_tqdm=False)
+        llm.stop_profile()  # a no-op where the profile stopped itself after PROFILE_STEPS
+        written = sorted(set(_traces(args.profile)) - before, key=os.path.getmtime)
+        if not written:
+            raise SystemExit(f"--profile: no trace written to {args.profile}")
+        result["decode_profile"] = profile_summary(written[-1])
+        scheduler = getattr(getattr(llm.llm_engine, "vllm_config", None), "scheduler_config", None)
+        result["decode_profile"]["max_num_batched_tokens"] = getattr(scheduler, "max_num_batched_tokens", None)
+        with open(args.out, "w") as handle:
+            json.dump(result, handle)
+        print(json.dumps(result["decode_profile"])[:2000], flush=True)
+
+
+def _profiler_config(directory: str) -> dict:
+    """vLLM's torch profiler in the worker only, PROFILE_STEPS engine steps after PROFILE_DELAY."""
+    return {"profiler": "torch", "torch_profiler_dir": os.path.abspath(directory), "ignore_frontend": True,
+            "torch_profiler_with_stack": False, "delay_iterations": PROFILE_DELAY, "max_iterations": PROFILE_STEPS}
+
+
+def _traces(directory: str) -> list[str]:
+    return glob.glob(os.path.join(directory, "**", "*.pt.trace.json*"), recursive=True)
+
+
+def _kernel_name(name: str) -> str:
+    """A kernel's name without its template arguments and parameter list, at most 90 characters."""
+    short = name.removeprefix("void ").split("<", 1)[0].split("(", 1)[0].strip()
+    return (short or name)[:90]
+
+
+def profile_summary(path: str, top: int = 30) -> dict:
+    """GPU time per engine step, by kernel, from one torch profiler trace (Chrome trace JSON, gzip or not).
+
+    Steps are counted by vLLM's forward-pass scope; GPU busy is the sum of kernel, copy and set
+    durations; span is from the first GPU activity's start to the last one's end (the gaps in
+    it are time the GPU waited for the host)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as handle:
+        events = json.load(handle)["traceEvents"]
+    steps = sum(1 for e in events if e.get("cat") == "user_annotation" and e.get("name") == FORWARD_SCOPE)
+    by_name: dict[str, list[float]] = {}
+    start, end = float("inf"), float("-inf")
+    for e in events:
+        if e.get("cat") not in GPU_CATEGORIES or e.get("ph") != "X":
+            continue
+        total = by_name.setdefault(_kernel_name(e["name"]), [0.0, 0])
+        total[0] += e.get("dur", 0.0)
+        total[1] += 1
+        start, end = min(start, e["ts"]), max(end, e["ts"] + e.get("dur", 0.0))
+    if not steps or not by_name:
+        raise ValueError(f"{path}: {steps} '{FORWARD_SCOPE}' scopes and {len(by_name)} GPU activities: "
+                         "not a profile of engine steps")
+    busy = sum(t for t, _ in by_name.values())
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
+    return {"steps": steps, "gpu_busy_us_per_step": round(busy / steps, 1), "span_us_per_step": round((end - start) / steps, 1),
+            "kernels": [{"name": n, "us_per_step": round(t / steps, 2), "calls_per_step": round(c / steps, 2)}
+                        for n, (t, c) in ranked[:top]]}
+
+
+def compare_profiles(runs: list[dict]) -> None:
+    """The runs' decode-step profiles side by side: us per step for every kernel that takes at
+    least 2% of some run's GPU time."""
+    runs = [r for r in runs if r.get("decode_profile")]
+    if not runs:
+        return
+    names: list[str] = []
+    for r in runs:
+        p = r["decode_profile"]
+        for k in p["kernels"]:
+            if k["us_per_step"] >= 0.02 * p["gpu_busy_us_per_step"] and k["name"] not in names:
+                names.append(k["name"])
+    print()
+    print(f"Decode steps at batch {PROFILE_BATCH} on the GPU, us per step (kernel time; calls per step in brackets):")
+    print()
+    print("| kernel | " + " | ".join(_label(r) for r in runs) + " |")
+    print("| --- |" + " ---: |" * len(runs))
+    for key, title in (("span_us_per_step", "step span (first to last GPU activity)"),
+                       ("gpu_busy_us_per_step", "GPU busy")):
+        print(f"| {title} | " + " | ".join(f"{r['decode_profile'][key]:,.1f}" for r in runs) + " |")
+    print("| steps profiled | " + " | ".join(str(r["decode_profile"]["steps"]) for r in runs) + " |")
+    for name in names:
+        cells = []
+        for r in runs:
+            k = next((k for k in r["decode_profile"]["kernels"] if k["name"] == name), None)
+            cells.append("-" if k is None else f"{k['us_per_step']:,.1f} ({k['calls_per_step']:g})")
+        print(f"| `{name}` | " + " | ".join(cells) + " |")
 
 
 def _label(r: dict) -> str:
@@ -168,6 +275,7 @@ def compare(paths: list[str]) -> None:
                       f"{'-' if margin is None else f'{margin:.4f}'} | "
                       f"{row['prompt_lp_max_diff']:.4f} / {row['prompt_lp_mean_diff']:.5f} | "
                       f"{'-' if gen is None else f'{gen:.4f}'} |")
+    compare_profiles(runs)
 
 
 def main() -> None:
@@ -189,6 +297,8 @@ def main() -> None:
     parser.add_argument("--graphs", action="store_true", help="vLLM's default compilation and CUDA graphs "
                         "instead of eager mode")
     parser.add_argument("--chunk", type=int, help="max_num_batched_tokens (prefill chunking; default vLLM's)")
+    parser.add_argument("--profile", metavar="DIR", help="after the measurements, profile decode steps at batch "
+                        f"{PROFILE_BATCH} with vLLM's torch profiler, traces in DIR")
     run(parser.parse_args())
 
 

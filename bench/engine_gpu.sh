@@ -12,6 +12,9 @@
 #                                          fp8_ds_mla KV, safetensors and GGUF, and the
 #                                          two mixed pairs (attention of one, indexer of the other)
 #   bench/engine_gpu.sh heads8 OUT_DIR     the same pair with 8 heads (one rank of GLM-5 at TP8)
+#   bench/engine_gpu.sh heads8-profile OUT_DIR   8 heads, compiled + CUDA graphs, fp8_ds_mla then bf16,
+#                                          ours and FLASHMLA_SPARSE + DeepGEMM, each with a profile of
+#                                          its decode steps at batch 32 (engine_e2e.py --profile); resumable
 #   bench/engine_gpu.sh heads8-graphs-fp8|heads8-graphs-bf16 OUT_DIR   8 heads, compiled + CUDA
 #                                          graphs, one GPU (the issue-16 regime); -fp8-mixed after
 #                                          -fp8: the two mixed pairs in that regime
@@ -101,6 +104,20 @@ one() {
   return $rc
 }
 
+# resumable phases (one GPU): NAME ARGS...: one run unless it has a result or too little of the
+# call is left (a run starts only within the call's first 300 s)
+began=$SECONDS
+step() {
+  local name=$1; shift
+  [ -f "$results/$name.json" ] && { echo "== $name: done before"; return 0; }
+  [ $((SECONDS - began)) -le 300 ] || { echo "== $name: not started (call again)"; return 1; }
+  one "$name" 0 "$@" && return 0
+  # a module the bundle lacks fails every run the same way: stop at the first and name it
+  ! grep -q "ModuleNotFoundError" "$results/$name.log" ||
+    { echo "== stopped: $(grep -m1 -o "ModuleNotFoundError: .*" "$results/$name.log")"; exit 3; }
+  return 1
+}
+
 # two lanes of runs side by side: lane A on GPU 0, lane B on GPU 1
 lanes() {
   local a=$1 b=$2
@@ -160,17 +177,6 @@ PY
   line)
     # one GPU, resumable
     export RUN_TIMEOUT=400
-    began=$SECONDS
-    step() {  # NAME ARGS...: one run unless it has a result or too little of the call is left
-      local name=$1; shift
-      [ -f "$results/$name.json" ] && { echo "== $name: done before"; return 0; }
-      [ $((SECONDS - began)) -le 300 ] || { echo "== $name: not started (call again)"; return 1; }
-      one "$name" 0 "$@" && return 0
-      # a module the bundle lacks fails every run the same way: stop at the first and name it
-      ! grep -q "ModuleNotFoundError" "$results/$name.log" ||
-        { echo "== stopped: $(grep -m1 -o "ModuleNotFoundError: .*" "$results/$name.log")"; exit 3; }
-      return 1
-    }
     step lgraphs-ours-bf16 --model "$m" $ours --graphs
     step lgraphs-ref-bf16 --model "$m" --backend auto --indexer deepgemm --graphs ||
       step lgraphs-flashmla-bf16 --model "$m" $ref --graphs
@@ -228,6 +234,13 @@ PY
     one ref8graphs-bf16 0 --model "$m8" $ref --graphs
     one ours8graphs-bf16 0 --model "$m8" $ours --graphs
     finish heads8-graphs-bf16 "$2" ref8graphs-bf16 ours8graphs-bf16 ;;
+  heads8-profile)  # issue 16's regime with a profile of the decode steps at batch 32; resumable
+    export RUN_TIMEOUT=400
+    for kv in fp8_ds_mla auto; do
+      step "ref8prof-$kv" --model "$m8" $ref --graphs --kv $kv --profile "$results/prof-ref8-$kv"
+      step "ours8prof-$kv" --model "$m8" $ours --graphs --kv $kv --profile "$results/prof-ours8-$kv"
+    done
+    finish heads8-profile "$2" ref8prof-fp8_ds_mla ours8prof-fp8_ds_mla ref8prof-auto ours8prof-auto ;;
   heads8-graphs-fp8-mixed)  # where a difference comes from: each attention with the other's indexer
     one mix8graphs-flashmla-free 0 --model "$m8" --backend FLASHMLA_SPARSE --indexer fallback --graphs --kv fp8_ds_mla
     one mix8graphs-triton-deepgemm 0 --model "$m8" --backend TRITON_MLA_SPARSE --indexer deepgemm --graphs --kv fp8_ds_mla
@@ -248,5 +261,5 @@ PY
       one "${spec%%:*}" 0,1 --model $m --tp 2 ${spec#*:}
     done
     finish tp2 "$2" reftp2-bf16 reftp2-fp8 ourstp2-bf16 ourstp2-fp8 ;;
-  *) echo "usage: $0 setup PARTS_DIR [--no-models] | line|serve|single|heads8|heads8-graphs-fp8|heads8-graphs-bf16|heads8-graphs-fp8-mixed|control|graphs|graphs-fp8|fp8-alias|tp2|tp2-graphs OUT_DIR | vllm-tests OUT_DIR [FIRST] [SHARDS]" >&2; exit 2 ;;
+  *) echo "usage: $0 setup PARTS_DIR [--no-models] | line|serve|single|heads8|heads8-profile|heads8-graphs-fp8|heads8-graphs-bf16|heads8-graphs-fp8-mixed|control|graphs|graphs-fp8|fp8-alias|tp2|tp2-graphs OUT_DIR | vllm-tests OUT_DIR [FIRST] [SHARDS]" >&2; exit 2 ;;
 esac

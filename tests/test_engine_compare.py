@@ -94,3 +94,53 @@ def test_vllms_own_backend_choice_is_a_reference_too(e2e, tmp_path, capsys):
     # ours and the mixed run (vLLM's attention, our indexer) against it; never itself
     assert len(pairs) == 4 and sum("TRITON_MLA_SPARSE + DeepGEMM-free" in p for p in pairs) == 2
     assert "| 3000 | 7/8 | 3 |" in out
+
+
+def _trace(tmp_path, steps: int, kernels: dict[str, float], gap_us: float = 5.0):
+    """A torch profiler trace (Chrome trace JSON, gzip) of `steps` engine steps: vLLM's forward
+    scope on the host and, on the GPU, each kernel once a step taking the given microseconds."""
+    import gzip
+
+    events, ts = [{"ph": "M", "name": "process_name", "args": {"name": "python"}}], 1000.0
+    for _ in range(steps):
+        events.append({"ph": "X", "cat": "user_annotation", "name": "gpu_model_runner: forward", "ts": ts, "dur": 50.0})
+        for name, dur in kernels.items():
+            events.append({"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur})
+            ts += dur
+        events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": ts, "dur": 999.0})  # not GPU time
+        events.append({"ph": "f", "cat": "ac2g", "name": "flow", "ts": ts})
+        ts += gap_us
+    path = tmp_path / "rank0.1.pt.trace.json.gz"
+    with gzip.open(path, "wt") as handle:
+        json.dump({"traceEvents": events}, handle)
+    return str(path)
+
+
+def test_profile_summary_gives_gpu_time_per_step_by_kernel(e2e, tmp_path):
+    path = _trace(tmp_path, 4, {"void flash_fwd_kernel<cutlass::bfloat16_t, 64>(Params)": 30.0,
+                                "_sparse_mla_decode": 12.0, "Memcpy DtoD (Device -> Device)": 1.0})
+    p = e2e.profile_summary(path)
+    assert p["steps"] == 4
+    assert p["gpu_busy_us_per_step"] == 43.0
+    # 4 steps of 43 us of kernels and 5 us gaps, less the last gap
+    assert p["span_us_per_step"] == round((4 * 48 - 5) / 4, 1)
+    assert [(k["name"], k["us_per_step"], k["calls_per_step"]) for k in p["kernels"]] == [
+        ("flash_fwd_kernel", 30.0, 1), ("_sparse_mla_decode", 12.0, 1), ("Memcpy DtoD", 1.0, 1)]
+
+
+def test_profile_summary_refuses_a_trace_without_steps_or_gpu_work(e2e, tmp_path):
+    cpu_only = _trace(tmp_path, 3, {})
+    with pytest.raises(ValueError, match="3 'gpu_model_runner: forward' scopes and 0 GPU activities"):
+        e2e.profile_summary(cpu_only)
+
+
+def test_compare_prints_the_profiles_side_by_side(e2e, tmp_path, capsys):
+    ref, ours = _run(), _run("TRITON_MLA_SPARSE", "fallback")
+    ref["decode_profile"] = e2e.profile_summary(_trace(tmp_path, 2, {"flash_mla_kernel": 20.0, "tiny": 0.1}))
+    ours["decode_profile"] = e2e.profile_summary(_trace(tmp_path, 2, {"_sparse_mla_decode": 30.0, "tiny": 0.1}))
+    e2e.compare(_written(tmp_path, {"ref": ref, "ours": ours}))
+    out = capsys.readouterr().out
+    assert "| GPU busy | 20.1 | 30.1 |" in out
+    assert "| `flash_mla_kernel` | 20.0 (1) | - |" in out
+    assert "| `_sparse_mla_decode` | - | 30.0 (1) |" in out
+    assert "`tiny`" not in out  # under 2% of every run's GPU time
