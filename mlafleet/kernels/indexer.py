@@ -498,15 +498,46 @@ def decode_row_ends(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
 
 
 @triton.jit
+def _ordered_key(bits):
+    """Float order as signed int32 order: flip the 31 low bits of negative floats."""
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _digit_histogram(key, ok, prefix, PASS: tl.constexpr):
+    """The 256-bin histogram of pass PASS's byte (the highest first) over the keys that match
+    the bytes already chosen (`prefix`)."""
+    shift = 24 - 8 * PASS
+    high = 0 if PASS == 0 else -(1 << (32 - 8 * PASS))  # the bits already decided
+    digit = (key >> shift) & 0xFF
+    if PASS == 0:
+        digit = digit ^ 0x80  # the sign byte: order it as unsigned
+    return tl.histogram(digit, 256, mask=ok & ((key & high) == prefix))
+
+
+@triton.jit
+def _choose_digit(hist, prefix, remaining, PASS: tl.constexpr):
+    """The byte of the TOPK-th largest key in this pass, and how many at the new prefix are still to take."""
+    bins = tl.arange(0, 256)
+    at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, 0) + hist   # elements with digit >= bin
+    chosen = tl.max(tl.where(at_or_above >= remaining, bins, -1), axis=0)
+    remaining -= tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
+    if PASS == 0:
+        chosen = chosen ^ 0x80
+    return prefix | (chosen << (24 - 8 * PASS)), remaining
+
+
+@triton.jit
 def _topk_kernel(
     logits_ptr, starts_ptr, ends_ptr, out_ptr,
     N, TOPK,
     stride_lr, stride_lc, stride_or,
-    HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):
     """One row per program: exact radix select of the TOPK-th largest logit in [start, end)
     (four 8-bit histogram passes over the row), then one pass writing the positions of
-    everything above it and of the first ties at it, relative to start."""
+    everything above it and of the first ties at it, relative to start. ONE_BLOCK (every row
+    within BLOCK, N <= BLOCK): the row is read once and kept in registers for all five passes."""
     row = tl.program_id(0).to(tl.int64)
     start = 0
     if HAS_STARTS:
@@ -522,38 +553,35 @@ def _topk_kernel(
         for c in range(0, TOPK, BLOCK):
             i = c + lanes
             tl.store(dst + i, tl.where(i < length, i, -1), mask=i < TOPK)
-    else:
-        # Float order as signed int32 order: flip the 31 low bits of negative floats.
-        bins = tl.arange(0, 256)
+    elif ONE_BLOCK:
+        i = start + lanes
+        ok = i < end
+        key = _ordered_key(tl.load(src + i * stride_lc, mask=ok, other=0.0).to(tl.int32, bitcast=True))
         prefix = 0
         remaining = TOPK  # how many of the elements matching `prefix` are still to take
         for p in tl.static_range(4):
-            shift = 24 - 8 * p
-            high = 0 if p == 0 else -(1 << (32 - 8 * p))  # the bits already decided
+            prefix, remaining = _choose_digit(_digit_histogram(key, ok, prefix, p), prefix, remaining, p)
+        tie = ok & (key == prefix)
+        take = (ok & (key > prefix)) | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= remaining))
+        tl.store(dst + tl.cumsum(take.to(tl.int32), 0) - 1, lanes, mask=take)
+    else:
+        prefix = 0
+        remaining = TOPK
+        for p in tl.static_range(4):
             hist = tl.zeros((256,), tl.int32)
             for c in range(start, end, BLOCK):
                 i = c + lanes
                 ok = i < end
-                bits = tl.load(src + i * stride_lc, mask=ok, other=0.0).to(tl.int32, bitcast=True)
-                key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-                digit = (key >> shift) & 0xFF
-                if p == 0:
-                    digit = digit ^ 0x80  # the sign byte: order it as unsigned
-                hist += tl.histogram(digit, 256, mask=ok & ((key & high) == prefix))
-            at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, 0) + hist   # elements with digit >= bin
-            chosen = tl.max(tl.where(at_or_above >= remaining, bins, -1), axis=0)
-            remaining -= tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
-            if p == 0:
-                chosen = chosen ^ 0x80
-            prefix = prefix | (chosen << shift)
+                key = _ordered_key(tl.load(src + i * stride_lc, mask=ok, other=0.0).to(tl.int32, bitcast=True))
+                hist += _digit_histogram(key, ok, prefix, p)
+            prefix, remaining = _choose_digit(hist, prefix, remaining, p)
         # prefix is now the exact key of the TOPK-th largest; take all above and `remaining` equal.
         written = 0
         ties = 0
         for c in range(start, end, BLOCK):
             i = c + lanes
             ok = i < end
-            bits = tl.load(src + i * stride_lc, mask=ok, other=0.0).to(tl.int32, bitcast=True)
-            key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+            key = _ordered_key(tl.load(src + i * stride_lc, mask=ok, other=0.0).to(tl.int32, bitcast=True))
             above = ok & (key > prefix)
             tie = ok & (key == prefix)
             tie_rank = ties + tl.cumsum(tie.to(tl.int32), 0) - 1
@@ -568,10 +596,12 @@ TOPK_BLOCK = 4096
 TOPK_WARPS = 8
 
 
-# Few long rows (decode at small batch) leave most SMs idle with one program per row: there the
-# same radix select runs split, each row's range shared by several programs, one launch per
-# histogram pass (histograms merged with atomics), one to choose each pass's digit, one to write.
-# Ties at the k-th value are then taken in no fixed order (the set's size is still exact).
+# Fewer rows than about two per SM, each longer than one block (decode at long contexts), leave
+# SMs idle with one program per row: there the same radix select runs split, each row's range
+# shared by several programs, one launch per histogram pass (histograms merged with atomics),
+# one to choose each pass's digit, one to write. Ties at the k-th value are then taken in no
+# fixed order (the set's size is still exact). H200, topk 2048 (docs/perf-indexer.md, top-k
+# launch rule): 32 rows x 100k 344 -> 104 us split 8 ways, 32 x 16k 57 -> 32 us, 4 x 100k 343 -> 32 us.
 
 
 @triton.jit
@@ -590,19 +620,13 @@ def _topk_split_hist_kernel(
         prefix = 0
         if PASS > 0:
             prefix = tl.load(state_ptr + row * 2)
-        shift = 24 - 8 * PASS
-        high = 0 if PASS == 0 else -(1 << (32 - 8 * PASS))
         lanes = tl.arange(0, BLOCK)
         hist = tl.zeros((256,), tl.int32)
         for c in range(start + pid_s * BLOCK, end, SPLIT * BLOCK):
             i = c + lanes
             ok = i < end
             bits = tl.load(logits_ptr + row * stride_lr + i * stride_lc, mask=ok, other=0.0).to(tl.int32, bitcast=True)
-            key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-            digit = (key >> shift) & 0xFF
-            if PASS == 0:
-                digit = digit ^ 0x80
-            hist += tl.histogram(digit, 256, mask=ok & ((key & high) == prefix))
+            hist += _digit_histogram(_ordered_key(bits), ok, prefix, PASS)
         tl.atomic_add(hist_ptr + row * 256 + tl.arange(0, 256), hist, sem="relaxed")
 
 
@@ -618,12 +642,8 @@ def _topk_split_choose_kernel(hist_ptr, state_ptr, TOPK, PASS: tl.constexpr):
     if PASS > 0:
         prefix = tl.load(state_ptr + row * 2)
         remaining = tl.load(state_ptr + row * 2 + 1)
-    at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, 0) + hist
-    chosen = tl.max(tl.where(at_or_above >= remaining, bins, -1), axis=0)
-    remaining -= tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
-    if PASS == 0:
-        chosen = chosen ^ 0x80
-    tl.store(state_ptr + row * 2, prefix | (chosen << (24 - 8 * PASS)))
+    prefix, remaining = _choose_digit(hist, prefix, remaining, PASS)
+    tl.store(state_ptr + row * 2, prefix)
     tl.store(state_ptr + row * 2 + 1, remaining)
     tl.store(hist_ptr + row * 256 + bins, tl.zeros((256,), tl.int32))
 
@@ -654,7 +674,7 @@ def _topk_split_select_kernel(
             i = c + lanes
             ok = i < end
             bits = tl.load(logits_ptr + row * stride_lr + i * stride_lc, mask=ok, other=0.0).to(tl.int32, bitcast=True)
-            key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+            key = _ordered_key(bits)
             above = ok & (key > threshold)
             tie = ok & (key == threshold)
             n_above = tl.sum(above.to(tl.int32), axis=0)
@@ -667,22 +687,26 @@ def _topk_split_select_kernel(
             tl.store(dst + (TOPK - remaining) + tie_rank, i - start, mask=take)
 
 
-TOPK_SPLIT_ROWS = 16  # at most this many rows: the split kernels
-
-
 
 
 def top_k_per_row(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor, topk: int,
-                  out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, splits: int | None = None,
+                  one_block: bool | None = None) -> torch.Tensor:
     """Top-k of each logits row inside [starts[r], ends[r]) (starts None: 0), as positions
     relative to the start, int32 [rows, topk], -1 past the range's length. Triton radix select.
 
     Reads only the range, so logits made with clean_logits=False are fine; the range's own
-    values must not be NaN. `splits` programs share each row (default: 1, or enough to fill the
-    GPU when there are at most TOPK_SPLIT_ROWS rows); with one, ties at the k-th value go to
-    the lowest positions. No host synchronisation (CUDA graphs).
+    values must not be NaN. `splits` programs share each row (default: one a row's 4096-block, at
+    most about two programs per SM in all, so 1 for rows within one block or for 264+ rows on
+    132 SMs); with one, ties at the k-th value go to the lowest positions. No host
+    synchronisation (CUDA graphs). `one_block` (default: when every row fits one TOPK_BLOCK,
+    i.e. decode at contexts up to 4096 tokens) keeps the row in registers across the passes
+    instead of reading it five times; False forces the streaming passes (tests, benchmarks).
     """
     rows, n, out = _check_topk_args(logits, starts, ends, topk, out)
+    if one_block is None:
+        one_block = n <= TOPK_BLOCK
+    _check(not one_block or n <= TOPK_BLOCK, f"top_k_per_row: one_block needs rows of at most {TOPK_BLOCK}, got {n}")
     if rows == 0:
         return out
     _check(logits.stride(1) == 1 or n == 1, "top_k_per_row: logits rows must be contiguous")
@@ -691,7 +715,7 @@ def top_k_per_row(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch
            "top_k_per_row: starts and ends must be int32")
     if splits is None:
         splits = 1
-        if logits.device.type == "cuda" and rows <= TOPK_SPLIT_ROWS:
+        if logits.device.type == "cuda":
             splits = max(1, min(triton.cdiv(n, TOPK_BLOCK), (2 * _num_sms(logits.device.index or 0)) // rows))
     starts_arg = ends if starts is None else starts
     if splits == 1:
@@ -699,7 +723,7 @@ def top_k_per_row(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch
             logits, starts_arg, ends, out,
             n, topk,
             logits.stride(0), logits.stride(1), out.stride(0),
-            HAS_STARTS=starts is not None, BLOCK=TOPK_BLOCK,
+            HAS_STARTS=starts is not None, BLOCK=TOPK_BLOCK, ONE_BLOCK=one_block,
             num_warps=TOPK_WARPS,
         )
         return out

@@ -229,6 +229,7 @@ def test_paged_mqa_logits_empty_context_row() -> None:
 TOPK_IMPLS = {
     "triton": ix.top_k_per_row,
     "triton-split": lambda *a, **kw: ix.top_k_per_row(*a, splits=3, **kw),   # the few-long-rows path
+    "triton-streaming": lambda *a, **kw: ix.top_k_per_row(*a, one_block=False, **kw),  # rows over one block
     "torch": ix.top_k_per_row_torch,
 }
 
@@ -377,3 +378,29 @@ def test_gpus_without_fp8_tensor_cores_are_refused(monkeypatch: pytest.MonkeyPat
     with pytest.raises(RuntimeError, match=r"compute capability 8.9 or newer\); this GPU is 8.6"):
         ix._check_device(torch.device("cuda", 0), "paged_mqa_logits")
     ix._check_device(torch.device("cpu"), "paged_mqa_logits")  # the interpreter: no check
+
+
+@pytest.mark.parametrize("one_block", [True, False])
+def test_triton_top_k_one_block_rows_exact(one_block: bool) -> None:
+    """Rows that fit one 4096-block (decode up to 4096 tokens), kept in registers across the
+    passes or read five times: the same sets as the stable reference, ties at the lowest positions."""
+    gen = torch.Generator().manual_seed(11)
+    rows, n, topk = 5, ix.TOPK_BLOCK, 2048
+    logits = torch.randn((rows, n), generator=gen)
+    logits[0, :3000] = -2.0 - torch.rand(3000, generator=gen) * 1e-6    # negative, same top 16 bits
+    logits[1, 10:2500] = 0.25                                           # 2490 ties across the k-th
+    logits[2, 7] = float("inf")
+    logits[2, 8] = float("-inf")
+    logits[3, ::2] = logits[3, 1::2]                                    # pairwise ties everywhere
+    starts = torch.tensor([0, 3, 96, 0, 1000], dtype=torch.int32)
+    ends = torch.tensor([4096, 4000, 4096, 2049, 3049], dtype=torch.int32)  # 2049: one to drop; 2049 again
+    out = ix.top_k_per_row(logits, starts, ends, topk, one_block=one_block)
+    want = ix.top_k_per_row_reference(logits, starts, ends, topk)
+    for r in range(rows):
+        assert set(out[r].tolist()) == want[r], f"row {r}"
+        assert_is_a_top_k(out[r].tolist(), logits[r, int(starts[r]):int(ends[r])], topk)
+
+
+def test_triton_top_k_one_block_refuses_longer_rows() -> None:
+    with pytest.raises(ValueError, match="one_block needs rows of at most 4096, got 4097"):
+        ix.top_k_per_row(torch.zeros((1, 4097)), None, torch.tensor([4097], dtype=torch.int32), 8, one_block=True)

@@ -85,9 +85,10 @@ SPLIT_SELECT_SIG = {"logits_ptr": "*fp32", "starts_ptr": "*i32", "ends_ptr": "*i
                     "stride_lc": "i32", "stride_or": "i32", "SPLIT": "i32"}
 for c in configs["topk"]:
     fit = []
-    fit.append(report(compile_for_sm120(
-        ix._topk_kernel, TOPK_SIG, {"HAS_STARTS": c["starts"], "BLOCK": ix.TOPK_BLOCK},
-        num_warps=ix.TOPK_WARPS, num_stages=1, aligned=("logits_ptr", "out_ptr", "stride_or"))))
+    for one_block in (False, True):
+        fit.append(report(compile_for_sm120(
+            ix._topk_kernel, TOPK_SIG, {"HAS_STARTS": c["starts"], "BLOCK": ix.TOPK_BLOCK, "ONE_BLOCK": one_block},
+            num_warps=ix.TOPK_WARPS, num_stages=1, aligned=("logits_ptr", "out_ptr", "stride_or"))))
     for p in range(4):
         fit.append(report(compile_for_sm120(
             ix._topk_split_hist_kernel, SPLIT_HIST_SIG, {"PASS": p, "HAS_STARTS": c["starts"], "BLOCK": ix.TOPK_BLOCK},
@@ -122,11 +123,11 @@ def test_prefill_kernel_fits_sm120(reports: dict, index: int) -> None:
 
 @pytest.mark.parametrize("index", range(len(TOPK)), ids=[f"starts{c['starts']}" for c in TOPK])
 def test_topk_kernels_fit_sm120(reports: dict, index: int) -> None:
-    kernels = reports["topk"][index]   # one program a row; the split path's hist x4, choose x4, select
-    assert len(kernels) == 10
+    kernels = reports["topk"][index]   # one program a row (streaming, one block); the split path's hist x4, choose x4, select
+    assert len(kernels) == 11
     for r in kernels:
         assert r["fits"], r["text"]
-    assert kernels[0]["shared"] > 0 and kernels[1]["shared"] > 0  # the histograms
+    assert kernels[0]["shared"] > 0 and kernels[1]["shared"] > 0 and kernels[2]["shared"] > 0  # the histograms
 
 
 @pytest.mark.parametrize("index", range(len(PAGED)),

@@ -1,0 +1,97 @@
+"""The DSA indexer's Triton top-k (mlafleet.kernels.indexer.top_k_per_row) on a GPU, by shape and
+launch choice, against torch.topk: a table on stdout, every row also in --out (JSON).
+
+    PYTHONPATH=. python3 bench/topk.py --out topk.json [--budget-s 120]
+
+topk 2048 (GLM-5, DeepSeek-V3.2). Decode rows are one per request (next_n 1), their lengths the
+context lengths; the logits are float32 as the indexer writes them. Each time is the median of
+20 replays of a CUDA graph of 20 calls (per call: the kernels are 5-400 us, where launch gaps
+would dominate); the inputs stay in L2 as the indexer's freshly written logits do.
+Every row's selection is checked against torch.topk's (the same set; ties at the k-th value
+do not occur in random float32 logits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cuda_timing import time_graph  # noqa: E402
+
+from mlafleet.kernels import indexer as ix  # noqa: E402
+
+TOPK = 2048
+
+# name, row lengths (one row each); decode at the tiny GLM-5's 3000-token prompts first (the
+# engine run's shape), then longer contexts, where the row spans several 4096-blocks
+CASES = [
+    ("decode 1 x 3000", [3000]),
+    ("decode 32 x 3000", [3000] * 32),
+    ("decode 64 x 3000", [3000] * 64),
+    ("decode 32 x 1000-4096", [1000 + (3096 * i) // 31 for i in range(32)]),
+    ("decode 128 x 4096", [4096] * 128),
+    ("decode 32 x 16k", [16384] * 32),
+    ("decode 32 x 100k", [100000] * 32),
+    ("decode 64 x 2k-16k", [2048 + (14336 * i) // 63 for i in range(64)]),
+    ("decode 4 x 100k", [100000] * 4),
+]
+
+
+def variants(n: int, rows: int) -> list[tuple[str, dict]]:
+    """The launch choices worth timing for rows of at most n positions."""
+    out = [("default", {})]
+    if n <= ix.TOPK_BLOCK:
+        out.append(("streaming (5 reads)", {"one_block": False}))
+    else:
+        for splits in (1, 2, 4, 8):
+            if splits * rows <= 8 * 132:
+                out.append((f"splits={splits}", {"splits": splits}))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="topk.json")
+    parser.add_argument("--budget-s", type=float, default=120.0, help="skip the cases left past this")
+    args = parser.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    began = time.time()
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "topk": TOPK, "TOPK_BLOCK": ix.TOPK_BLOCK}
+    rows_out: list[dict] = []
+    print(f"{'case':26s} {'launch':22s} {'us':>9s} {'torch us':>9s} {'same set':>8s}")
+    for name, lens in CASES:
+        if time.time() - began > args.budget_s:
+            print(f"{name}: skipped (budget)")
+            continue
+        n = max(lens)
+        logits = torch.randn((len(lens), n), generator=gen, device="cuda")
+        ends = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        want = ix.top_k_per_row_torch(logits, None, ends, TOPK)
+        want_sets = [set(r.tolist()) - {-1} for r in want.cpu()]
+        torch_us = time_graph([lambda: ix.top_k_per_row_torch(logits, None, ends, TOPK)] * 20) * 1e6
+        for label, kw in variants(n, len(lens)):
+            out = torch.empty((len(lens), TOPK), dtype=torch.int32, device="cuda")
+            ix.top_k_per_row(logits, None, ends, TOPK, out=out, **kw)
+            same = all(set(r.tolist()) - {-1} == w for r, w in zip(out.cpu(), want_sets))
+            us = time_graph([lambda kw=kw, out=out: ix.top_k_per_row(logits, None, ends, TOPK, out=out, **kw)] * 20) * 1e6
+            row = {"case": name, "rows": len(lens), "max_len": n, "launch": label, "us": round(us, 2),
+                   "torch_us": round(torch_us, 2), "same_set_as_torch": same}
+            rows_out.append(row)
+            print(f"{name:26s} {label:22s} {us:9.2f} {torch_us:9.2f} {str(same):>8s}", flush=True)
+            with open(args.out, "w") as handle:
+                json.dump({"meta": meta, "results": rows_out}, handle, indent=1)
+    print(f"total {time.time() - began:.0f} s")
+    if not all(r["same_set_as_torch"] for r in rows_out):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
