@@ -3,6 +3,7 @@
     python bench/engine_e2e.py run OUT.json --model DIR --backend TRITON_MLA_SPARSE \\
         --kv fp8_ds_mla --indexer fallback [--gguf] [--tp 2]
     python bench/engine_e2e.py compare OUT_DIR/*.json     # a markdown report on stdout
+    python bench/engine_e2e.py profile RUN.json TRACE_DIR  # (re)read a run's --profile trace into RUN.json
 
 The model is the project's tiny GLM-5 (`mlafleet.lab.tinymodel.write_tiny_glm5`: GLM-5's attention
 and indexer geometry, 2 layers, random weights) loaded from its safetensors or, with --gguf,
@@ -48,7 +49,11 @@ PROFILE_BATCH = 32
 # ceil(96000 / max_num_batched_tokens) steps, at most 47 for vLLM's smallest default (2048)
 PROFILE_DELAY = 48
 PROFILE_STEPS = 16
-FORWARD_SCOPE = "gpu_model_runner: forward"  # vLLM's annotation of each step's forward pass
+# vLLM's host-side annotation of each engine step: the forward scope of gpu_model_runner.py (with
+# VLLM_CUSTOM_SCOPES_FOR_PROFILING=1), or, from the CUDA worker of 0.32.0, one scope a step named
+# after the batch ("execute_context_0(0)_generation_32(32)": no prefill, 32 decode requests)
+FORWARD_SCOPE = "gpu_model_runner: forward"
+STEP_SCOPE_PREFIX = "execute_context_"
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
@@ -136,6 +141,7 @@ def run(args: argparse.Namespace) -> None:
         if not written:
             raise SystemExit(f"--profile: no trace written to {args.profile}")
         result["decode_profile"] = profile_summary(written[-1])
+        result["decode_profile"]["trace"] = os.path.basename(written[-1])
         scheduler = getattr(getattr(llm.llm_engine, "vllm_config", None), "scheduler_config", None)
         result["decode_profile"]["max_num_batched_tokens"] = getattr(scheduler, "max_num_batched_tokens", None)
         with open(args.out, "w") as handle:
@@ -168,7 +174,9 @@ def profile_summary(path: str, top: int = 30) -> dict:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as handle:
         events = json.load(handle)["traceEvents"]
-    steps = sum(1 for e in events if e.get("cat") == "user_annotation" and e.get("name") == FORWARD_SCOPE)
+    scopes = [e.get("name", "") for e in events if e.get("cat") == "user_annotation"]
+    steps = scopes.count(FORWARD_SCOPE) or sum(n.startswith(STEP_SCOPE_PREFIX) for n in scopes)
+    batches = sorted({n for n in scopes if n.startswith(STEP_SCOPE_PREFIX)})
     by_name: dict[str, list[float]] = {}
     start, end = float("inf"), float("-inf")
     for e in events:
@@ -179,13 +187,28 @@ def profile_summary(path: str, top: int = 30) -> dict:
         total[1] += 1
         start, end = min(start, e["ts"]), max(end, e["ts"] + e.get("dur", 0.0))
     if not steps or not by_name:
-        raise ValueError(f"{path}: {steps} '{FORWARD_SCOPE}' scopes and {len(by_name)} GPU activities: "
-                         "not a profile of engine steps")
+        raise ValueError(f"{path}: {steps} step scopes ('{FORWARD_SCOPE}' or '{STEP_SCOPE_PREFIX}...') and "
+                         f"{len(by_name)} GPU activities: not a profile of engine steps")
     busy = sum(t for t, _ in by_name.values())
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
-    return {"steps": steps, "gpu_busy_us_per_step": round(busy / steps, 1), "span_us_per_step": round((end - start) / steps, 1),
+    return {"steps": steps, "step_scopes": batches, "gpu_busy_us_per_step": round(busy / steps, 1), "span_us_per_step": round((end - start) / steps, 1),
             "kernels": [{"name": n, "us_per_step": round(t / steps, 2), "calls_per_step": round(c / steps, 2)}
                         for n, (t, c) in ranked[:top]]}
+
+
+def attach_profile(run_path: str, directory: str) -> None:
+    """Read the newest trace under `directory` into the run's decode_profile (for a run whose
+    profile was written but not read, e.g. by an older version of this script)."""
+    traces = sorted(_traces(directory), key=os.path.getmtime)
+    if not traces:
+        raise SystemExit(f"no torch profiler trace (*.pt.trace.json*) under {directory}")
+    with open(run_path) as handle:
+        run = json.load(handle)
+    run["decode_profile"] = dict(profile_summary(traces[-1]), trace=os.path.basename(traces[-1]))
+    with open(run_path, "w") as handle:
+        json.dump(run, handle)
+    print(f"{run_path}: {run['decode_profile']['steps']} steps, "
+          f"{run['decode_profile']['gpu_busy_us_per_step']} us of GPU time a step")
 
 
 def compare_profiles(runs: list[dict]) -> None:
@@ -281,6 +304,11 @@ def compare(paths: list[str]) -> None:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "compare":
         compare(sys.argv[2:])
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "profile":
+        if len(sys.argv) != 4:
+            raise SystemExit("usage: engine_e2e.py profile RUN.json TRACE_DIR")
+        attach_profile(sys.argv[2], sys.argv[3])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", choices=["run"])
