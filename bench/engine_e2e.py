@@ -24,7 +24,7 @@ from its 3 GGUF shards through the patch set's glm-dsa loader. Prompts are token
    from the trace it writes to DIR (`compare` prints the runs' profiles side by side).
 
 --indexer fallback sets MLAFLEET_INDEXER_FALLBACK=1 (the DeepGEMM-free indexer) and
-MLAFLEET_INDEXER_TOPK (default triton: the top-k that SM120 runs); deepgemm leaves vLLM's own
+MLAFLEET_INDEXER_TOPK (default triton: the top-k that 8.x, and SM120 on 0.20.2, run); deepgemm leaves vLLM's own
 DeepGEMM indexer. bench/engine_gpu.sh keeps each run's log and prints the engine's lines naming
 the indexer path, so a report shows what really ran.
 """
@@ -168,7 +168,7 @@ def _kernel_name(name: str) -> str:
 def profile_summary(path: str, top: int = 30) -> dict:
     """GPU time per engine step, by kernel, from one torch profiler trace (Chrome trace JSON, gzip or not).
 
-    Steps are counted by vLLM's forward-pass scope; GPU busy is the sum of kernel, copy and set
+    Steps are counted by vLLM's step scopes (FORWARD_SCOPE, else STEP_SCOPE_PREFIX); GPU busy is the sum of kernel, copy and set
     durations; span is from the first GPU activity's start to the last one's end (the gaps in
     it are time the GPU waited for the host)."""
     opener = gzip.open if path.endswith(".gz") else open
@@ -191,7 +191,8 @@ def profile_summary(path: str, top: int = 30) -> dict:
                          f"{len(by_name)} GPU activities: not a profile of engine steps")
     busy = sum(t for t, _ in by_name.values())
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
-    return {"steps": steps, "step_scopes": batches, "gpu_busy_us_per_step": round(busy / steps, 1), "span_us_per_step": round((end - start) / steps, 1),
+    return {"steps": steps, "step_scopes": batches, "gpu_busy_us_per_step": round(busy / steps, 1),
+            "span_us_per_step": round((end - start) / steps, 1),
             "kernels": [{"name": n, "us_per_step": round(t / steps, 2), "calls_per_step": round(c / steps, 2)}
                         for n, (t, c) in ranked[:top]]}
 
