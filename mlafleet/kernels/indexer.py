@@ -516,15 +516,24 @@ def _digit_histogram(key, ok, prefix, PASS: tl.constexpr):
 
 
 @triton.jit
-def _choose_digit(hist, prefix, remaining, PASS: tl.constexpr):
-    """The byte of the TOPK-th largest key in this pass, and how many at the new prefix are still to take."""
+def _choose_digit_counted(hist, prefix, remaining, PASS: tl.constexpr):
+    """The byte of the TOPK-th largest key in this pass, how many at the new prefix are still
+    to take, and how many keys have the new prefix (the chosen bin's count)."""
     bins = tl.arange(0, 256)
     at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, 0) + hist   # elements with digit >= bin
     chosen = tl.max(tl.where(at_or_above >= remaining, bins, -1), axis=0)
     remaining -= tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
+    in_bin = tl.sum(tl.where(bins == chosen, hist, 0), axis=0)
     if PASS == 0:
         chosen = chosen ^ 0x80
-    return prefix | (chosen << (24 - 8 * PASS)), remaining
+    return prefix | (chosen << (24 - 8 * PASS)), remaining, in_bin
+
+
+@triton.jit
+def _choose_digit(hist, prefix, remaining, PASS: tl.constexpr):
+    """The byte of the TOPK-th largest key in this pass, and how many at the new prefix are still to take."""
+    prefix, remaining, _ = _choose_digit_counted(hist, prefix, remaining, PASS)
+    return prefix, remaining
 
 
 @triton.jit
@@ -532,12 +541,14 @@ def _topk_kernel(
     logits_ptr, starts_ptr, ends_ptr, out_ptr,
     N, TOPK,
     stride_lr, stride_lc, stride_or,
-    HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
+    HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, EARLY_STOP: tl.constexpr,
 ):
     """One row per program: exact radix select of the TOPK-th largest logit in [start, end)
     (four 8-bit histogram passes over the row), then one pass writing the positions of
     everything above it and of the first ties at it, relative to start. ONE_BLOCK (every row
-    within BLOCK, N <= BLOCK): the row is read once and kept in registers for all five passes."""
+    within BLOCK, N <= BLOCK): the row is read once and kept in registers for all passes, and
+    the passes stop as soon as the chosen bin is taken whole (random float32 rows of a few
+    thousand: after the second or third byte), which also leaves no ties to rank."""
     row = tl.program_id(0).to(tl.int64)
     start = 0
     if HAS_STARTS:
@@ -557,12 +568,23 @@ def _topk_kernel(
         i = start + lanes
         ok = i < end
         key = _ordered_key(tl.load(src + i * stride_lc, mask=ok, other=0.0).to(tl.int32, bitcast=True))
-        prefix = 0
-        remaining = TOPK  # how many of the elements matching `prefix` are still to take
+        # int32 scalars from the start: the passes below run under a branch that rewrites them
+        prefix = length * 0
+        remaining = length * 0 + TOPK  # how many of the elements matching `prefix` are still to take
+        whole_bin = length < 0  # becomes True once every key at the chosen prefix is taken: stop early
         for p in tl.static_range(4):
-            prefix, remaining = _choose_digit(_digit_histogram(key, ok, prefix, p), prefix, remaining, p)
-        tie = ok & (key == prefix)
-        take = (ok & (key > prefix)) | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= remaining))
+            if not whole_bin:
+                prefix, remaining, in_bin = _choose_digit_counted(
+                    _digit_histogram(key, ok, prefix, p), prefix, remaining, p)
+                if EARLY_STOP:
+                    whole_bin = in_bin == remaining
+        if whole_bin:
+            # prefix's undecided low bits are 0, so key >= prefix is "at or above the chosen
+            # bin", exactly TOPK keys: no ties to rank
+            take = ok & (key >= prefix)
+        else:
+            tie = ok & (key == prefix)
+            take = (ok & (key > prefix)) | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= remaining))
         tl.store(dst + tl.cumsum(take.to(tl.int32), 0) - 1, lanes, mask=take)
     else:
         prefix = 0
@@ -691,7 +713,8 @@ def _topk_split_select_kernel(
 
 def top_k_per_row(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor, topk: int,
                   out: torch.Tensor | None = None, splits: int | None = None,
-                  one_block: bool | None = None) -> torch.Tensor:
+                  one_block: bool | None = None, early_stop: bool = True,
+                  num_warps: int = TOPK_WARPS) -> torch.Tensor:
     """Top-k of each logits row inside [starts[r], ends[r]) (starts None: 0), as positions
     relative to the start, int32 [rows, topk], -1 past the range's length. Triton radix select.
 
@@ -702,6 +725,8 @@ def top_k_per_row(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch
     synchronisation (CUDA graphs). `one_block` (default: when every row fits one TOPK_BLOCK,
     i.e. decode at contexts up to 4096 tokens) keeps the row in registers across the passes
     instead of reading it five times; False forces the streaming passes (tests, benchmarks).
+    `early_stop` (one-block rows; False only to compare) ends the passes once the chosen bin
+    is taken whole; `num_warps` is the one-program-a-row kernel's width (benchmarks).
     """
     rows, n, out = _check_topk_args(logits, starts, ends, topk, out)
     if one_block is None:
@@ -723,8 +748,8 @@ def top_k_per_row(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch
             logits, starts_arg, ends, out,
             n, topk,
             logits.stride(0), logits.stride(1), out.stride(0),
-            HAS_STARTS=starts is not None, BLOCK=TOPK_BLOCK, ONE_BLOCK=one_block,
-            num_warps=TOPK_WARPS,
+            HAS_STARTS=starts is not None, BLOCK=TOPK_BLOCK, ONE_BLOCK=one_block, EARLY_STOP=early_stop,
+            num_warps=num_warps,
         )
         return out
     hist = torch.zeros((rows, 256), dtype=torch.int32, device=logits.device)

@@ -380,10 +380,11 @@ def test_gpus_without_fp8_tensor_cores_are_refused(monkeypatch: pytest.MonkeyPat
     ix._check_device(torch.device("cpu"), "paged_mqa_logits")  # the interpreter: no check
 
 
-@pytest.mark.parametrize("one_block", [True, False])
-def test_triton_top_k_one_block_rows_exact(one_block: bool) -> None:
+@pytest.mark.parametrize("one_block,early_stop", [(True, True), (True, False), (False, True)])
+def test_triton_top_k_one_block_rows_exact(one_block: bool, early_stop: bool) -> None:
     """Rows that fit one 4096-block (decode up to 4096 tokens), kept in registers across the
-    passes or read five times: the same sets as the stable reference, ties at the lowest positions."""
+    passes (stopping once the chosen bin is taken whole, or all four) or read five times: the
+    same sets as the stable reference, ties at the lowest positions."""
     gen = torch.Generator().manual_seed(11)
     rows, n, topk = 5, ix.TOPK_BLOCK, 2048
     logits = torch.randn((rows, n), generator=gen)
@@ -394,11 +395,33 @@ def test_triton_top_k_one_block_rows_exact(one_block: bool) -> None:
     logits[3, ::2] = logits[3, 1::2]                                    # pairwise ties everywhere
     starts = torch.tensor([0, 3, 96, 0, 1000], dtype=torch.int32)
     ends = torch.tensor([4096, 4000, 4096, 2049, 3049], dtype=torch.int32)  # 2049: one to drop; 2049 again
-    out = ix.top_k_per_row(logits, starts, ends, topk, one_block=one_block)
+    out = ix.top_k_per_row(logits, starts, ends, topk, one_block=one_block, early_stop=early_stop)
     want = ix.top_k_per_row_reference(logits, starts, ends, topk)
     for r in range(rows):
         assert set(out[r].tolist()) == want[r], f"row {r}"
         assert_is_a_top_k(out[r].tolist(), logits[r, int(starts[r]):int(ends[r])], topk)
+
+
+@pytest.mark.parametrize("topk", [1, 37, 2048])
+def test_triton_top_k_early_stop_at_every_pass(topk: int) -> None:
+    """Rows whose k-th bin is taken whole after the first, second, third or fourth byte (and
+    one where it never is: ties across the k-th): the early stop takes exactly the top-k set."""
+    gen = torch.Generator().manual_seed(5)
+    n = 3000
+    rows = [torch.randn(n, generator=gen),                                     # stops after byte 2-3
+            torch.randn(n, generator=gen) * 1e-30,                             # tiny values
+            torch.arange(n, dtype=torch.float32) * 2.0 ** 20,                  # spread exponents: byte 1
+            (torch.randn(n, generator=gen) * 1e-7 + 1.0),                      # one exponent: bytes 3-4
+            torch.where(torch.arange(n) % 2 == 0, torch.tensor(0.5), torch.randn(n, generator=gen))]  # ties
+    logits = torch.stack(rows)
+    ends = torch.full((len(rows),), n, dtype=torch.int32)
+    want = ix.top_k_per_row_reference(logits, None, ends, topk)
+    for early_stop in (True, False):
+        out = ix.top_k_per_row(logits, None, ends, topk, one_block=True, early_stop=early_stop)
+        for r in range(len(rows)):
+            got = out[r].tolist()
+            assert -1 not in got and len(set(got)) == topk, f"row {r}, early_stop={early_stop}"
+            assert set(got) == want[r], f"row {r}, early_stop={early_stop}"
 
 
 def test_triton_top_k_one_block_refuses_longer_rows() -> None:

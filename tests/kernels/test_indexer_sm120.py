@@ -87,7 +87,8 @@ for c in configs["topk"]:
     fit = []
     for one_block in (False, True):
         fit.append(report(compile_for_sm120(
-            ix._topk_kernel, TOPK_SIG, {"HAS_STARTS": c["starts"], "BLOCK": ix.TOPK_BLOCK, "ONE_BLOCK": one_block},
+            ix._topk_kernel, TOPK_SIG, {"HAS_STARTS": c["starts"], "BLOCK": ix.TOPK_BLOCK, "ONE_BLOCK": one_block,
+                                        "EARLY_STOP": True},
             num_warps=ix.TOPK_WARPS, num_stages=1, aligned=("logits_ptr", "out_ptr", "stride_or"))))
     for p in range(4):
         fit.append(report(compile_for_sm120(
