@@ -21,7 +21,9 @@ from its 3 GGUF shards through the patch set's glm-dsa loader. Prompts are token
 3. With --profile DIR, a profile of the decode steps at batch 32 (3000-token prompts): vLLM's
    own torch profiler in the engine's worker, started PROFILE_DELAY engine steps into the batch
    (past its prefill chunks) for PROFILE_STEPS steps; the GPU kernels' time per step, by kernel,
-   from the trace it writes to DIR (`compare` prints the runs' profiles side by side).
+   from the trace it writes to DIR (`compare` prints the runs' profiles side by side). With
+   --profile-phase prefill instead: the same batch with one output token, every step of it
+   profiled (its prefill chunks), the kernels' time per step and in all (`prefill_profile`).
 
 --indexer fallback sets MLAFLEET_INDEXER_FALLBACK=1 (the DeepGEMM-free indexer) and
 MLAFLEET_INDEXER_TOPK (default triton: the top-k that 8.x, and SM120 on 0.20.2, run); deepgemm leaves vLLM's own
@@ -49,6 +51,7 @@ PROFILE_BATCH = 32
 # ceil(96000 / max_num_batched_tokens) steps, at most 47 for vLLM's smallest default (2048)
 PROFILE_DELAY = 48
 PROFILE_STEPS = 16
+PREFILL_PROFILE_STEPS = 64  # more than a batch's prefill steps; the profile stops with the batch
 # vLLM's host-side annotation of each engine step: the forward scope of gpu_model_runner.py (with
 # VLLM_CUSTOM_SCOPES_FOR_PROFILING=1), or, from the CUDA worker of 0.32.0, one scope a step named
 # after the batch ("execute_context_0(0)_generation_32(32)": no prefill, 32 decode requests)
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace) -> None:
               tensor_parallel_size=args.tp, disable_custom_all_reduce=True, max_num_seqs=64,
               **({} if args.backend == "auto" else {"attention_config": {"backend": args.backend}}),
               **({"max_num_batched_tokens": args.chunk} if args.chunk else {}),
-              **({"profiler_config": _profiler_config(args.profile)} if args.profile else {}))
+              **({"profiler_config": _profiler_config(args.profile, args.profile_phase)} if args.profile else {}))
     result = {"backend": args.backend, "kv_cache_dtype": args.kv, "indexer": args.indexer,
               "topk": args.topk if args.indexer == "fallback" else "vllm", "weights": "gguf" if args.gguf else "safetensors",
               "tp": args.tp, "heads": config["num_attention_heads"], "chunk": args.chunk, "graphs": args.graphs, "engine_start_s": round(time.perf_counter() - start, 1)}
@@ -130,29 +133,36 @@ def run(args: argparse.Namespace) -> None:
         json.dump(result, handle)
     print(json.dumps({k: v for k, v in result.items() if k != "requests"}), flush=True)
     if args.profile:
+        key = f"{args.profile_phase}_profile"
         prompts = _prompts([THROUGHPUT_PROMPT] * PROFILE_BATCH, 3000, vocab)
-        params = SamplingParams(temperature=0.0, max_tokens=PROFILE_DELAY + PROFILE_STEPS + 8, ignore_eos=True,
-                                detokenize=False)
+        n_out = 1 if args.profile_phase == "prefill" else PROFILE_DELAY + PROFILE_STEPS + 8
+        params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True, detokenize=False)
         before = set(_traces(args.profile))
         llm.start_profile()
+        t0 = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
-        llm.stop_profile()  # a no-op where the profile stopped itself after PROFILE_STEPS
+        elapsed = time.perf_counter() - t0
+        llm.stop_profile()  # a no-op where the profile stopped itself after its steps
         written = sorted(set(_traces(args.profile)) - before, key=os.path.getmtime)
         if not written:
             raise SystemExit(f"--profile: no trace written to {args.profile}")
-        result["decode_profile"] = profile_summary(written[-1])
-        result["decode_profile"]["trace"] = os.path.basename(written[-1])
+        result[key] = profile_summary(written[-1])
+        result[key]["trace"] = os.path.basename(written[-1])
+        if args.profile_phase == "prefill":  # the batch's wall time, profiler on (its overhead included)
+            result[key]["batch_wall_s"] = round(elapsed, 3)
         scheduler = getattr(getattr(llm.llm_engine, "vllm_config", None), "scheduler_config", None)
-        result["decode_profile"]["max_num_batched_tokens"] = getattr(scheduler, "max_num_batched_tokens", None)
+        result[key]["max_num_batched_tokens"] = getattr(scheduler, "max_num_batched_tokens", None)
         with open(args.out, "w") as handle:
             json.dump(result, handle)
-        print(json.dumps(result["decode_profile"])[:2000], flush=True)
+        print(json.dumps(result[key])[:2000], flush=True)
 
 
-def _profiler_config(directory: str) -> dict:
-    """vLLM's torch profiler in the worker only, PROFILE_STEPS engine steps after PROFILE_DELAY."""
+def _profiler_config(directory: str, phase: str = "decode") -> dict:
+    """vLLM's torch profiler in the worker only: PROFILE_STEPS engine steps after PROFILE_DELAY
+    (decode), or every step from the start (prefill)."""
+    delay, steps = (PROFILE_DELAY, PROFILE_STEPS) if phase == "decode" else (0, PREFILL_PROFILE_STEPS)
     return {"profiler": "torch", "torch_profiler_dir": os.path.abspath(directory), "ignore_frontend": True,
-            "torch_profiler_with_stack": False, "delay_iterations": PROFILE_DELAY, "max_iterations": PROFILE_STEPS}
+            "torch_profiler_with_stack": False, "delay_iterations": delay, "max_iterations": steps}
 
 
 def _traces(directory: str) -> list[str]:
@@ -212,31 +222,36 @@ def attach_profile(run_path: str, directory: str) -> None:
           f"{run['decode_profile']['gpu_busy_us_per_step']} us of GPU time a step")
 
 
-def compare_profiles(runs: list[dict]) -> None:
-    """The runs' decode-step profiles side by side: us per step for every kernel that takes at
-    least 2% of some run's GPU time."""
-    runs = [r for r in runs if r.get("decode_profile")]
+def compare_profiles(runs: list[dict], phase: str = "decode") -> None:
+    """The runs' decode-step (or prefill-step) profiles side by side: us per step for every
+    kernel that takes at least 2% of some run's GPU time."""
+    key = f"{phase}_profile"
+    runs = [r for r in runs if r.get(key)]
     if not runs:
         return
     names: list[str] = []
     for r in runs:
-        p = r["decode_profile"]
+        p = r[key]
         for k in p["kernels"]:
             if k["us_per_step"] >= 0.02 * p["gpu_busy_us_per_step"] and k["name"] not in names:
                 names.append(k["name"])
+    what = (f"Decode steps at batch {PROFILE_BATCH}" if phase == "decode" else
+            f"Prefill steps of {PROFILE_BATCH} x {THROUGHPUT_PROMPT}-token prompts (one output token)")
     print()
-    print(f"Decode steps at batch {PROFILE_BATCH} on the GPU, us per step (kernel time; calls per step in brackets):")
+    print(f"{what} on the GPU, us per step (kernel time; calls per step in brackets):")
     print()
     print("| kernel | " + " | ".join(_label(r) for r in runs) + " |")
     print("| --- |" + " ---: |" * len(runs))
-    for key, title in (("span_us_per_step", "step span (first to last GPU activity)"),
-                       ("gpu_busy_us_per_step", "GPU busy")):
-        print(f"| {title} | " + " | ".join(f"{r['decode_profile'][key]:,.1f}" for r in runs) + " |")
-    print("| steps profiled | " + " | ".join(str(r["decode_profile"]["steps"]) for r in runs) + " |")
+    for field, title in (("span_us_per_step", "step span (first to last GPU activity)"),
+                         ("gpu_busy_us_per_step", "GPU busy")):
+        print(f"| {title} | " + " | ".join(f"{r[key][field]:,.1f}" for r in runs) + " |")
+    print("| steps profiled | " + " | ".join(str(r[key]["steps"]) for r in runs) + " |")
+    if phase == "prefill":
+        print("| batch wall time, profiler on (s) | " + " | ".join(str(r[key].get("batch_wall_s", "-")) for r in runs) + " |")
     for name in names:
         cells = []
         for r in runs:
-            k = next((k for k in r["decode_profile"]["kernels"] if k["name"] == name), None)
+            k = next((k for k in r[key]["kernels"] if k["name"] == name), None)
             cells.append("-" if k is None else f"{k['us_per_step']:,.1f} ({k['calls_per_step']:g})")
         print(f"| `{name}` | " + " | ".join(cells) + " |")
 
@@ -299,7 +314,8 @@ def compare(paths: list[str]) -> None:
                       f"{'-' if margin is None else f'{margin:.4f}'} | "
                       f"{row['prompt_lp_max_diff']:.4f} / {row['prompt_lp_mean_diff']:.5f} | "
                       f"{'-' if gen is None else f'{gen:.4f}'} |")
-    compare_profiles(runs)
+    compare_profiles(runs, "decode")
+    compare_profiles(runs, "prefill")
 
 
 def main() -> None:
@@ -328,6 +344,8 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, help="max_num_batched_tokens (prefill chunking; default vLLM's)")
     parser.add_argument("--profile", metavar="DIR", help="after the measurements, profile decode steps at batch "
                         f"{PROFILE_BATCH} with vLLM's torch profiler, traces in DIR")
+    parser.add_argument("--profile-phase", choices=["decode", "prefill"], default="decode",
+                        help="what --profile records: decode steps (default) or the batch's prefill steps")
     run(parser.parse_args())
 
 

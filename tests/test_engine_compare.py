@@ -152,3 +152,25 @@ def test_profile_summary_counts_the_step_scopes_of_vllm_0_32_cuda_worker(e2e, tm
     path = _trace(tmp_path, 5, {"k": 2.0}, scope="execute_context_0(0)_generation_32(32)")
     p = e2e.profile_summary(path)
     assert (p["steps"], p["step_scopes"], p["gpu_busy_us_per_step"]) == (5, ["execute_context_0(0)_generation_32(32)"], 2.0)
+
+
+def test_compare_prints_prefill_profiles_apart_from_decode(e2e, tmp_path, capsys):
+    ref, ours = _run(), _run("TRITON_MLA_SPARSE", "fallback")
+    scope = "execute_context_32(96000)_generation_0(0)"
+    ref["prefill_profile"] = dict(e2e.profile_summary(_trace(tmp_path, 3, {"deep_gemm_fp8_mqa": 90.0}, scope=scope)),
+                                  batch_wall_s=0.15)
+    ours["prefill_profile"] = dict(e2e.profile_summary(_trace(tmp_path, 3, {"_mqa_logits_kernel": 300.0}, scope=scope)),
+                                   batch_wall_s=0.2)
+    e2e.compare(_written(tmp_path, {"ref": ref, "ours": ours}))
+    out = capsys.readouterr().out
+    assert "Prefill steps of 32 x 3000-token prompts" in out and "Decode steps" not in out
+    assert "| batch wall time, profiler on (s) | 0.15 | 0.2 |" in out
+    assert "| `_mqa_logits_kernel` | - | 300.0 (1) |" in out
+
+
+def test_profiler_config_by_phase(e2e, tmp_path):
+    decode = e2e._profiler_config(str(tmp_path))
+    prefill = e2e._profiler_config(str(tmp_path), "prefill")
+    assert (decode["delay_iterations"], decode["max_iterations"]) == (e2e.PROFILE_DELAY, e2e.PROFILE_STEPS)
+    assert (prefill["delay_iterations"], prefill["max_iterations"]) == (0, e2e.PREFILL_PROFILE_STEPS)
+    assert prefill["torch_profiler_dir"] == str(tmp_path)
