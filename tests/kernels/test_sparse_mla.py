@@ -151,6 +151,32 @@ def test_all_indices_invalid(gen: torch.Generator, num_splits: int) -> None:
     assert torch.all(out == 0) and torch.all(torch.isposinf(lse))
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_trimmed_tails_exact(gen: torch.Generator, num_splits: int, monkeypatch) -> None:
+    """Prefill-sized batches (TRIM_TAIL: the key loop ends at each row's last valid index): rows
+    of a valid prefix and a -1 tail as the indexer writes them for a prompt's first topk
+    tokens, a valid index after a run of -1, a row with nothing valid; the same outputs
+    as the reference, and bit for bit those of the untrimmed loop."""
+    import mlafleet.kernels.sparse_mla as sm
+
+    s_q, topk, s_kv = sm.TRIM_TAIL_MIN_TOKENS, 192, 512
+    idx = random_indices(gen, s_q, topk, s_kv)
+    for t in range(s_q):
+        idx[t, 0, (t * 37) % (topk + 1):] = -1           # valid prefixes of 0 to topk entries
+    idx[5, 0, :] = -1
+    idx[5, 0, topk - 1] = 17                              # the only valid index is the last
+    idx[6, 0, 40:] = -1
+    idx[6, 0, 150] = s_kv + 3                             # out of range after the tail: still none
+    q = torch.randn(s_q, 16, 576, generator=gen).bfloat16()
+    kv = make_cache(gen, s_kv, idx)
+    run_both(gen, q, kv, idx, num_splits=num_splits)
+    trimmed = sparse_mla_fwd(q, kv, idx, SCALE, num_splits=num_splits)
+    monkeypatch.setattr(sm, "TRIM_TAIL_MIN_TOKENS", 10**9)
+    untrimmed = sparse_mla_fwd(q, kv, idx, SCALE, num_splits=num_splits)
+    assert torch.equal(trimmed[0], untrimmed[0]) and torch.equal(trimmed[1], untrimmed[1])
+    assert torch.isposinf(trimmed[1][0]).all()            # row 0: an empty prefix
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_mixed_invalid(gen: torch.Generator, num_splits: int) -> None:
     s_kv = 320
