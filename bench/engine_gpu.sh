@@ -18,6 +18,7 @@
 #   bench/engine_gpu.sh heads8-round OUT_DIR   heads8-profile's runs (bf16 first), ours with vLLM's own
 #                                          top-k (SM120's choice on 0.32.0), then the prefill steps of
 #                                          the batch profiled (--profile-phase prefill); resumable
+#   bench/engine_gpu.sh heads8-prefill OUT_DIR   only heads8-round's prefill profiles (bf16, then fp8_ds_mla)
 #   bench/engine_gpu.sh heads8-graphs-fp8|heads8-graphs-bf16 OUT_DIR   8 heads, compiled + CUDA
 #                                          graphs, one GPU (the issue-16 regime); -fp8-mixed after
 #                                          -fp8: the two mixed pairs in that regime
@@ -260,6 +261,13 @@ PY
     done
     finish heads8-round "$2" ref8prof-auto ours8prof-auto ours8vtopk-auto ref8prof-fp8_ds_mla ours8prof-fp8_ds_mla \
       ours8vtopk-fp8_ds_mla ref8pre-auto ours8pre-auto ref8pre-fp8_ds_mla ours8pre-fp8_ds_mla ;;
+  heads8-prefill)  # heads8-round's prefill profiles alone (bf16 first); resumable
+    export RUN_TIMEOUT=400 LOGS="$2"
+    for kv in auto fp8_ds_mla; do
+      step "ours8pre-$kv" --model "$m8" $ours --graphs --kv $kv --profile "$results/pre-ours8-$kv" --profile-phase prefill
+      step "ref8pre-$kv" --model "$m8" $ref --graphs --kv $kv --profile "$results/pre-ref8-$kv" --profile-phase prefill
+    done
+    finish heads8-prefill "$2" ref8pre-auto ours8pre-auto ref8pre-fp8_ds_mla ours8pre-fp8_ds_mla ;;
   heads8-graphs-fp8-mixed)  # where a difference comes from: each attention with the other's indexer
     one mix8graphs-flashmla-free 0 --model "$m8" --backend FLASHMLA_SPARSE --indexer fallback --graphs --kv fp8_ds_mla
     one mix8graphs-triton-deepgemm 0 --model "$m8" --backend TRITON_MLA_SPARSE --indexer deepgemm --graphs --kv fp8_ds_mla
@@ -280,5 +288,5 @@ PY
       one "${spec%%:*}" 0,1 --model $m --tp 2 ${spec#*:}
     done
     finish tp2 "$2" reftp2-bf16 reftp2-fp8 ourstp2-bf16 ourstp2-fp8 ;;
-  *) echo "usage: $0 setup PARTS_DIR [--no-models] | line|serve|single|heads8|heads8-profile|heads8-round|heads8-graphs-fp8|heads8-graphs-bf16|heads8-graphs-fp8-mixed|control|graphs|graphs-fp8|fp8-alias|tp2|tp2-graphs OUT_DIR | vllm-tests OUT_DIR [FIRST] [SHARDS]" >&2; exit 2 ;;
+  *) echo "usage: $0 setup PARTS_DIR [--no-models] | line|serve|single|heads8|heads8-profile|heads8-round|heads8-prefill|heads8-graphs-fp8|heads8-graphs-bf16|heads8-graphs-fp8-mixed|control|graphs|graphs-fp8|fp8-alias|tp2|tp2-graphs OUT_DIR | vllm-tests OUT_DIR [FIRST] [SHARDS]" >&2; exit 2 ;;
 esac
