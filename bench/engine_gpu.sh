@@ -138,6 +138,14 @@ finish() {
   tar -C "$results" -czf "$out/$phase-results.tar.gz" .
 }
 
+# the 8-head model's prefill profiles (heads8-round, heads8-prefill): ours and the reference, bf16 then fp8_ds_mla
+prefill_profiles() {
+  for kv in auto fp8_ds_mla; do
+    step "ours8pre-$kv" --model "$m8" $ours --graphs --kv $kv --profile "$results/pre-ours8-$kv" --profile-phase prefill
+    step "ref8pre-$kv" --model "$m8" $ref --graphs --kv $kv --profile "$results/pre-ref8-$kv" --profile-phase prefill
+  done
+}
+
 m=$models/tiny-glm5 m8=$models/tiny-glm5-8heads
 ref="--backend FLASHMLA_SPARSE --indexer deepgemm" ours="--backend TRITON_MLA_SPARSE --indexer fallback"
 # a machine that was given back and started afresh has no /tmp/e2e: say so, not a later phase's error
@@ -255,18 +263,12 @@ PY
     for kv in auto fp8_ds_mla; do
       step "ours8vtopk-$kv" --model "$m8" $ours --topk vllm --graphs --kv $kv
     done
-    for kv in auto fp8_ds_mla; do
-      step "ours8pre-$kv" --model "$m8" $ours --graphs --kv $kv --profile "$results/pre-ours8-$kv" --profile-phase prefill
-      step "ref8pre-$kv" --model "$m8" $ref --graphs --kv $kv --profile "$results/pre-ref8-$kv" --profile-phase prefill
-    done
+    prefill_profiles
     finish heads8-round "$2" ref8prof-auto ours8prof-auto ours8vtopk-auto ref8prof-fp8_ds_mla ours8prof-fp8_ds_mla \
       ours8vtopk-fp8_ds_mla ref8pre-auto ours8pre-auto ref8pre-fp8_ds_mla ours8pre-fp8_ds_mla ;;
   heads8-prefill)  # heads8-round's prefill profiles alone (bf16 first); resumable
     export RUN_TIMEOUT=400 LOGS="$2"
-    for kv in auto fp8_ds_mla; do
-      step "ours8pre-$kv" --model "$m8" $ours --graphs --kv $kv --profile "$results/pre-ours8-$kv" --profile-phase prefill
-      step "ref8pre-$kv" --model "$m8" $ref --graphs --kv $kv --profile "$results/pre-ref8-$kv" --profile-phase prefill
-    done
+    prefill_profiles
     finish heads8-prefill "$2" ref8pre-auto ours8pre-auto ref8pre-fp8_ds_mla ours8pre-fp8_ds_mla ;;
   heads8-graphs-fp8-mixed)  # where a difference comes from: each attention with the other's indexer
     one mix8graphs-flashmla-free 0 --model "$m8" --backend FLASHMLA_SPARSE --indexer fallback --graphs --kv fp8_ds_mla
