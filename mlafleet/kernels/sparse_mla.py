@@ -112,7 +112,7 @@ def _attend_reference(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, sm_
 def reference_sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                          sm_scale: float, d_v: int = D_NOPE) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA in float32 with torch: (out [s_q, h_q, d_v] float32, lse [s_q, h_q] float32)."""
-    _check_common(q, indices, d_v)
+    _check_common(_query_halves(q)[0], indices, d_v)  # references: q [s_q, h_q, 576]
     _check_bf16_kv(kv, q)
     s_kv = kv.shape[0]
     idx = indices[:, 0, :].long()
@@ -124,7 +124,7 @@ def reference_sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
 def reference_sparse_mla_fp8(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
                              sm_scale: float, d_v: int = D_NOPE) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA over an fp8_ds_mla cache, in float32 with torch (dequantise, then attend)."""
-    _check_common(q, indices, d_v)
+    _check_common(_query_halves(q)[0], indices, d_v)  # references: q [s_q, h_q, 576]
     rows = _fp8_rows(kv_cache, q)
     n_slots = rows.shape[0]
     idx = indices[:, 0, :].long()
@@ -146,7 +146,7 @@ def reference_sparse_mla_fp8_e4m3(q: torch.Tensor, kv_cache: torch.Tensor, indic
                                   sm_scale: float, kv_scale: float,
                                   d_v: int = D_NOPE) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA over a plain fp8 cache [s_kv, 1, 576], in float32 (dequantise, then attend)."""
-    _check_common(q, indices, d_v)
+    _check_common(_query_halves(q)[0], indices, d_v)  # references: q [s_q, h_q, 576]
     kv = kv_cache.view(torch.float8_e4m3fn).reshape(-1, 1, D_QK).float() * float(kv_scale)
     s_kv = kv.shape[0]
     idx = indices[:, 0, :].long()
@@ -159,11 +159,35 @@ def reference_sparse_mla_fp8_e4m3(q: torch.Tensor, kv_cache: torch.Tensor, indic
 # input checks (clear errors, before anything is launched)
 # --------------------------------------------------------------------------------------
 
+Query = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def _query_halves(q: Query) -> tuple[torch.Tensor, torch.Tensor]:
+    """q as its latent [s_q, h_q, 512] and RoPE [s_q, h_q, 64] halves (views, any strides): one
+    [s_q, h_q, 576] tensor, or the two halves as vLLM's MLA layer hands them over (the kernel
+    reads them where they are, so nothing is concatenated)."""
+    if isinstance(q, torch.Tensor):
+        if q.dim() != 3 or q.shape[-1] != D_QK:
+            raise ValueError(f"sparse MLA: q must be [s_q, h_q, {D_QK}], got {tuple(q.shape)}")
+        return q[..., :D_NOPE], q[..., D_NOPE:]
+    if not (isinstance(q, (tuple, list)) and len(q) == 2 and all(isinstance(t, torch.Tensor) for t in q)):
+        raise TypeError(f"sparse MLA: q must be a tensor or a (latent, rope) pair of tensors, got {type(q).__name__}")
+    latent, rope = q
+    if latent.dim() != 3 or latent.shape[-1] != D_NOPE:
+        raise ValueError(f"sparse MLA: latent q must be [s_q, h_q, {D_NOPE}], got {tuple(latent.shape)}")
+    if rope.shape != (*latent.shape[:2], D_QK - D_NOPE):
+        raise ValueError(f"sparse MLA: RoPE q must be [{latent.shape[0]}, {latent.shape[1]}, {D_QK - D_NOPE}] "
+                         f"beside latent q {tuple(latent.shape)}, got {tuple(rope.shape)}")
+    if rope.dtype != latent.dtype or rope.device != latent.device:
+        raise ValueError(f"sparse MLA: q's halves differ: latent {latent.dtype} on {latent.device}, "
+                         f"RoPE {rope.dtype} on {rope.device}")
+    return latent, rope
+
+
 def _check_common(q: torch.Tensor, indices: torch.Tensor, d_v: int) -> None:
+    """q: the latent half (_query_halves has checked the pair)."""
     if d_v != D_NOPE:
         raise ValueError(f"sparse MLA: d_v must be {D_NOPE}, got {d_v}")
-    if q.dim() != 3 or q.shape[-1] != D_QK:
-        raise ValueError(f"sparse MLA: q must be [s_q, h_q, {D_QK}], got {tuple(q.shape)}")
     if q.dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"sparse MLA: q must be bfloat16, got {q.dtype}")
     if indices.dim() != 3 or indices.shape[0] != q.shape[0] or indices.shape[1] != 1:
@@ -321,7 +345,8 @@ def _key_group(raw, scale, FP8: tl.constexpr, SCALE_LOGITS: tl.constexpr, DOT_F3
 
 @triton.jit
 def _sparse_mla_kernel(
-    Q, stride_q_tok, stride_q_head, stride_q_dim,
+    Q, stride_q_tok, stride_q_head, stride_q_dim,  # the latent half of q: [s_q, h_q, 512]
+    Q_ROPE, stride_qr_tok, stride_qr_head, stride_qr_dim,  # the RoPE half: [s_q, h_q, 64]
     KV, stride_kv_tok,  # bf16 cache: elements between tokens; fp8_ds_mla: bytes between tokens
     n_slots,
     IDX, stride_idx_tok, stride_idx_k,
@@ -356,8 +381,8 @@ def _sparse_mla_kernel(
     q1 = tl.load(q_base + (128 + d128)[None, :] * stride_q_dim, mask=head_ok[:, None], other=0.0).to(dot_dtype)
     q2 = tl.load(q_base + (256 + d128)[None, :] * stride_q_dim, mask=head_ok[:, None], other=0.0).to(dot_dtype)
     q3 = tl.load(q_base + (384 + d128)[None, :] * stride_q_dim, mask=head_ok[:, None], other=0.0).to(dot_dtype)
-    q_rope = tl.load(q_base + (512 + d_rope)[None, :] * stride_q_dim, mask=head_ok[:, None],
-                     other=0.0).to(dot_dtype)
+    q_rope = tl.load(Q_ROPE + tok * stride_qr_tok + heads.to(tl.int64)[:, None] * stride_qr_head
+                     + d_rope[None, :] * stride_qr_dim, mask=head_ok[:, None], other=0.0).to(dot_dtype)
     if FP8:
         if SCALE_LOGITS:
             # keys arrive as x * 2^-120 (_key_group): q * 2^100 keeps every product q * x * 2^-20
@@ -609,6 +634,7 @@ def sm120_compile_specs(configs: list[tuple[str, KernelConfig]] | None = None,
                                          for t in ((False, True) if cfg.trim_tail else (False,))]:
             signature = {
                 "Q": "*bf16", "stride_q_tok": "i32", "stride_q_head": "i32",
+                "Q_ROPE": "*bf16", "stride_qr_tok": "i32", "stride_qr_head": "i32",
                 "KV": "*u8" if fp8 else "*bf16", "stride_kv_tok": "i32", "n_slots": "i32",
                 "IDX": "*i32", "stride_idx_tok": "i32",
                 "OUT": "*fp32" if partial else "*bf16", "stride_out_tok": "i32",
@@ -618,11 +644,12 @@ def sm120_compile_specs(configs: list[tuple[str, KernelConfig]] | None = None,
                 "n_split": "i32", "n_head_blocks": "i32", "qk_scale_log2": "fp32",
                 "KV_SCALE": "*fp32",
             }
-            constexprs = {"stride_q_dim": 1, "stride_idx_k": 1, "BLOCK_H": cfg.block_h,
+            constexprs = {"stride_q_dim": 1, "stride_qr_dim": 1, "stride_idx_k": 1, "BLOCK_H": cfg.block_h,
                           "BLOCK_N": cfg.block_n, "FP8": fp8, "ROPE_E4M3": rope_e4m3, "PARTIAL": partial,
                           "SCALE_LOGITS": cfg.scale_logits,
                           "DOT_F32": False, "TRIM_TAIL": trim}
-            aligned = ["Q", "KV", "IDX", "OUT", "LSE", "stride_q_tok", "stride_q_head",
+            aligned = ["Q", "Q_ROPE", "KV", "IDX", "OUT", "LSE", "stride_q_tok", "stride_q_head",
+                       "stride_qr_tok", "stride_qr_head",
                        "stride_kv_tok", "stride_out_tok", "stride_out_head"]
             specs.append({"fn": _sparse_mla_kernel, "signature": signature, "constexprs": constexprs,
                           "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "aligned": aligned,
@@ -656,7 +683,8 @@ def _interpreted() -> bool:
     return isinstance(_sparse_mla_kernel, InterpretedFunction)
 
 
-def _run(q: torch.Tensor, kv: torch.Tensor, stride_kv_tok: int, n_slots: int, indices: torch.Tensor,
+def _run(q: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, stride_kv_tok: int, n_slots: int,
+         indices: torch.Tensor,
          sm_scale: float, fp8: bool, num_splits: int | None,
          config: KernelConfig | None, kv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if q.dtype != torch.bfloat16:
@@ -699,6 +727,7 @@ def _run(q: torch.Tensor, kv: torch.Tensor, stride_kv_tok: int, n_slots: int, in
     grid = (s_q * num_splits * n_head_blocks,)
     _sparse_mla_kernel[grid](
         q, q.stride(0), q.stride(1), q.stride(2),
+        q_rope, q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
         kv, stride_kv_tok, n_slots,
         indices, indices.stride(0), indices.stride(2),
         dst_out, *out_strides,
@@ -728,32 +757,36 @@ def _run(q: torch.Tensor, kv: torch.Tensor, stride_kv_tok: int, n_slots: int, in
 # public entry points
 # --------------------------------------------------------------------------------------
 
-def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+def sparse_mla_fwd(q: Query, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                    d_v: int = D_NOPE, *, num_splits: int | None = None,
                    config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA with a bf16 KV cache: (out [s_q, h_q, 512] bf16, lse [s_q, h_q] float32).
 
-    num_splits and config override the launcher's choices (tests and benchmarks).
+    q: [s_q, h_q, 576], or its (latent [s_q, h_q, 512], RoPE [s_q, h_q, 64]) halves, each with
+    any strides (the same for every entry point). num_splits and config override the launcher's
+    choices (tests and benchmarks).
     """
+    q, q_rope = _query_halves(q)
     _check_common(q, indices, d_v)
     _check_bf16_kv(kv, q)
     if kv.dtype != torch.bfloat16:
         raise TypeError(f"sparse MLA: kv must be bfloat16, got {kv.dtype}")
     if kv.stride(2) != 1:
         raise ValueError("sparse MLA: the 576 values of a kv token must be contiguous")
-    return _run(q, kv, kv.stride(0), kv.shape[0], indices, float(sm_scale), False, num_splits, config)
+    return _run(q, q_rope, kv, kv.stride(0), kv.shape[0], indices, float(sm_scale), False, num_splits, config)
 
 
-def sparse_mla_fwd_fp8(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
+def sparse_mla_fwd_fp8(q: Query, kv_cache: torch.Tensor, indices: torch.Tensor,
                        sm_scale: float, d_v: int = D_NOPE, *, num_splits: int | None = None,
                        config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA over an fp8_ds_mla cache: (out [s_q, h_q, 512] bf16, lse [s_q, h_q] float32)."""
+    q, q_rope = _query_halves(q)
     _check_common(q, indices, d_v)
     rows = _fp8_rows(kv_cache, q)
-    return _run(q, rows, rows.stride(0), rows.shape[0], indices, float(sm_scale), True, num_splits, config)
+    return _run(q, q_rope, rows, rows.stride(0), rows.shape[0], indices, float(sm_scale), True, num_splits, config)
 
 
-def sparse_mla_fwd_fp8_e4m3(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
+def sparse_mla_fwd_fp8_e4m3(q: Query, kv_cache: torch.Tensor, indices: torch.Tensor,
                             sm_scale: float, kv_scale: torch.Tensor | float, d_v: int = D_NOPE, *,
                             num_splits: int | None = None,
                             config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -765,6 +798,7 @@ def sparse_mla_fwd_fp8_e4m3(q: torch.Tensor, kv_cache: torch.Tensor, indices: to
     [slots, 1, 576]); kv_scale: a float32 tensor of one element on q's device (read on the
     device, so CUDA graphs capture it), or a number.
     """
+    q, q_rope = _query_halves(q)
     _check_common(q, indices, d_v)
     if kv_cache.dtype not in (torch.float8_e4m3fn, torch.uint8):
         raise TypeError(f"sparse MLA fp8: a plain fp8 cache is float8_e4m3fn (or uint8), got {kv_cache.dtype}")
@@ -777,8 +811,8 @@ def sparse_mla_fwd_fp8_e4m3(q: torch.Tensor, kv_cache: torch.Tensor, indices: to
     scale = torch.as_tensor(kv_scale, dtype=torch.float32, device=q.device).reshape(-1)
     if scale.numel() != 1:
         raise ValueError(f"sparse MLA fp8: kv_scale must be one value, got {scale.numel()}")
-    return _run(q, rows, rows.stride(0), rows.shape[0], indices, float(sm_scale), True, num_splits, config,
-                kv_scale=scale)
+    return _run(q, q_rope, rows, rows.stride(0), rows.shape[0], indices, float(sm_scale), True, num_splits,
+                config, kv_scale=scale)
 
 
 # --------------------------------------------------------------------------------------
@@ -815,10 +849,11 @@ def layout_of(kv_cache_dtype: str, known: list[str], backend: str = "TRITON_MLA_
     return LAYOUTS[kv_cache_dtype]
 
 
-def attend(layout: str, q: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, scale: float,
+def attend(layout: str, q: Query, rows: torch.Tensor, slots: torch.Tensor, scale: float,
            k_scale: torch.Tensor | None) -> torch.Tensor:
     """Sparse MLA over a cache seen as flat rows [n, ROW_WIDTH[layout]] (any dtype of that width):
-    out [T, H, 512] bf16 for q [T, H, 576] over slots [T, 1, k] (-1: none)."""
+    out [T, H, 512] bf16 for q [T, H, 576] (or its latent and RoPE halves) over slots [T, 1, k]
+    (-1: none)."""
     if layout == BF16_ROWS:
         return sparse_mla_fwd(q, rows.unsqueeze(1), slots, scale, d_v=D_NOPE)[0]
     if layout == FP8_DS_MLA_ROWS:

@@ -243,6 +243,38 @@ def test_noncontiguous_q(gen: torch.Generator) -> None:
         run_both(gen, q, kv, idx)
 
 
+def test_q_halves_read_in_place(gen: torch.Generator) -> None:
+    """q as vLLM's MLA layer hands it over (latent and RoPE halves in separate, strided
+    tensors) gives the bits of the concatenated q, for every cache layout; a bad pair is named."""
+    s_kv, s_q, h = 320, 3, 12
+    idx = random_indices(gen, s_q, 70, s_kv)
+    kv = make_cache(gen, s_kv, idx)
+    q = torch.randn(s_q, h, 576, generator=gen).bfloat16()
+    latent = torch.full((h, s_q, 512), float("nan")).bfloat16()
+    latent.copy_(q[..., :512].transpose(0, 1))
+    latent = latent.transpose(0, 1)  # [s_q, h, 512], head stride s_q * 512 (a bmm's output)
+    wide = torch.full((s_q, h, 100), float("nan")).bfloat16()
+    wide[..., 20:84] = q[..., 512:]
+    rope = wide[..., 20:84]  # a slice of a wider tensor, NaN around it
+    fp8 = make_fp8_cache(kv, idx)
+    plain, kv_scale = make_plain_fp8_cache(kv, idx)
+    for splits in (1, 3):
+        for run in (lambda qq: sparse_mla_fwd(qq, kv, idx, SCALE, num_splits=splits),
+                    lambda qq: sparse_mla_fwd_fp8(qq, fp8, idx, SCALE, num_splits=splits),
+                    lambda qq: sparse_mla_fwd_fp8_e4m3(qq, plain, idx, SCALE, kv_scale, num_splits=splits)):
+            out, lse = run(q)
+            out2, lse2 = run((latent, rope))
+            assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    with pytest.raises(ValueError, match="RoPE q must be"):
+        sparse_mla_fwd((latent, rope[:, :5]), kv, idx, SCALE)
+    with pytest.raises(ValueError, match="latent q must be"):
+        sparse_mla_fwd((q, rope), kv, idx, SCALE)
+    with pytest.raises(ValueError, match="q's halves differ"):
+        sparse_mla_fwd((latent, rope.float()), kv, idx, SCALE)
+    with pytest.raises(TypeError, match="latent, rope"):
+        sparse_mla_fwd((latent, rope, rope), kv, idx, SCALE)
+
+
 def test_split_and_unsplit_agree(gen: torch.Generator) -> None:
     s_kv = 5120
     idx = random_indices(gen, 2, 700, s_kv)

@@ -157,10 +157,11 @@ class TritonMLASparseImpl(SparseMLAAttentionImpl[FlashMLASparseMetadata]):
         attn_metadata: FlashMLASparseMetadata,
         layer: AttentionLayer,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # (latent q [T, H, 512], RoPE q [T, H, 64]) or both in one [T, H, 576]
-        query = q if isinstance(q, torch.Tensor) else torch.cat(q, dim=-1)
+        # (latent q [T, H, 512], RoPE q [T, H, 64]) or both in one [T, H, 576]; the kernel reads
+        # the halves where they are, so nothing is concatenated
+        tokens = (q if isinstance(q, torch.Tensor) else q[0]).shape[0]
         assert self.topk_indices_buffer is not None
-        slots = self._cache_slots(self.topk_indices_buffer[: query.shape[0]], attn_metadata)
+        slots = self._cache_slots(self.topk_indices_buffer[:tokens], attn_metadata)
         rows = kv_c_and_k_pe_cache.view(-1, kv_c_and_k_pe_cache.shape[-1])  # [num_blocks * 64, width]
-        out = sparse_mla.attend(self.layout, query, rows, slots, self.scale, getattr(layer, "_k_scale", None))
+        out = sparse_mla.attend(self.layout, q, rows, slots, self.scale, getattr(layer, "_k_scale", None))
         return out, None

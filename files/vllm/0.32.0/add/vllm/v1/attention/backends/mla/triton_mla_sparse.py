@@ -202,9 +202,10 @@ class TritonMLASparseImpl(MLAAttentionImpl[SparseMLACommonMetadata], SharedTopkI
         attn_metadata: SparseMLACommonMetadata,
         layer: AttentionLayer,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # (latent q [T, H, 512], RoPE q [T, H, 64]) or both in one [T, H, 576]
-        query = q if isinstance(q, torch.Tensor) else torch.cat(q, dim=-1)
-        topk = self.topk_indices_buffer[: query.shape[0]]
+        # (latent q [T, H, 512], RoPE q [T, H, 64]) or both in one [T, H, 576]; the kernel reads
+        # the halves where they are, so nothing is concatenated
+        tokens = (q if isinstance(q, torch.Tensor) else q[0]).shape[0]
+        topk = self.topk_indices_buffer[:tokens]
         rows, slots = self._cache_rows(topk, attn_metadata, kv_c_and_k_pe_cache)
-        out = sparse_mla.attend(self.layout, query, rows, slots, self.scale, getattr(layer, "_k_scale", None))
+        out = sparse_mla.attend(self.layout, q, rows, slots, self.scale, getattr(layer, "_k_scale", None))
         return out, None
