@@ -7,7 +7,9 @@ topk 2048 (GLM-5, DeepSeek-V3.2). Decode rows are one per request (next_n 1), th
 context lengths; the logits are float32 as the indexer writes them. Each time is the median of
 20 replays of a CUDA graph of 20 calls (per call: the kernels are 5-400 us, where launch gaps
 would dominate); the inputs stay in L2 as the indexer's freshly written logits do.
-Every row's selection is checked against torch.topk's (the same set; ties at the k-th value
+Prefill rows (one a token, as long as the chunk's keys, each token's range its prompt's keys
+up to itself) take the register path for ranges of at most one block, against the streaming
+passes. Every row's selection is checked against torch.topk's (the same set; ties at the k-th value
 do not occur in random float32 logits).
 """
 
@@ -43,6 +45,19 @@ CASES = [
     ("decode 64 x 2k-16k", [2048 + (14336 * i) // 63 for i in range(64)]),
     ("decode 4 x 100k", [100000] * 4),
 ]
+# name, tokens in the chunk, prompt length: a prefill chunk of whole prompts (no earlier
+# context), one row per token as long as the chunk's keys, each token's range its own
+# prompt's keys up to itself (1 to the prompt length)
+PREFILL_CASES = [
+    ("prefill 8192 x 3000-prompts", 8192, 3000),
+    ("prefill 16384 x 3000-prompts", 16384, 3000),
+]
+
+
+def prefill_ranges(tokens: int, prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.arange(tokens, dtype=torch.int32, device="cuda")
+    starts = (t // prompt) * prompt
+    return starts, t + 1
 
 
 @triton.jit
@@ -71,6 +86,8 @@ def floor_us(logits: torch.Tensor) -> float:
 def variants(n: int, rows: int) -> list[tuple[str, dict]]:
     """The launch choices worth timing for rows of at most n positions."""
     out = [("default", {})]
+    if n is None:  # prefill rows: short ranges of long rows
+        return out + [("streaming (5 reads)", {"one_block": False})]
     if n <= ix.TOPK_BLOCK:
         out += [("4 passes (no early stop)", {"early_stop": False}), ("streaming (5 reads)", {"one_block": False}),
                 ("4 warps", {"num_warps": 4}), ("16 warps", {"num_warps": 16})]
@@ -93,27 +110,33 @@ def main() -> None:
             "topk": TOPK, "TOPK_BLOCK": ix.TOPK_BLOCK}
     rows_out: list[dict] = []
     print(f"{'case':26s} {'launch':26s} {'us':>9s} {'torch us':>9s} {'same set':>8s}")
-    for name, lens in CASES:
+    cases = [(name, lens, None) for name, lens in CASES] + [(name, None, (t, p)) for name, t, p in PREFILL_CASES]
+    for name, lens, prefill in cases:
         if time.time() - began > args.budget_s:
             print(f"{name}: skipped (budget)")
             continue
-        n = max(lens)
-        logits = torch.randn((len(lens), n), generator=gen, device="cuda")
-        ends = torch.tensor(lens, dtype=torch.int32, device="cuda")
-        want = ix.top_k_per_row_torch(logits, None, ends, TOPK)
+        if prefill:
+            starts, ends = prefill_ranges(*prefill)
+            n = prefill[0]
+        else:
+            starts, ends = None, torch.tensor(lens, dtype=torch.int32, device="cuda")
+            n = max(lens)
+        rows = ends.shape[0]
+        logits = torch.randn((rows, n), generator=gen, device="cuda")
+        want = ix.top_k_per_row_torch(logits, starts, ends, TOPK)
         want_sets = [set(r.tolist()) - {-1} for r in want.cpu()]
-        torch_us = time_graph([lambda: ix.top_k_per_row_torch(logits, None, ends, TOPK)] * 20) * 1e6
-        if n <= ix.TOPK_BLOCK:
+        torch_us = time_graph([lambda: ix.top_k_per_row_torch(logits, starts, ends, TOPK)] * 20) * 1e6
+        if not prefill and n <= ix.TOPK_BLOCK:
             us = floor_us(logits)
-            rows_out.append({"case": name, "rows": len(lens), "max_len": n, "launch": "floor: read + write only",
+            rows_out.append({"case": name, "rows": rows, "max_len": n, "launch": "floor: read + write only",
                              "us": round(us, 2), "torch_us": round(torch_us, 2), "same_set_as_torch": True})
             print(f"{name:26s} {'floor: read + write':26s} {us:9.2f} {torch_us:9.2f} {'-':>8s}", flush=True)
-        for label, kw in variants(n, len(lens)):
-            out = torch.empty((len(lens), TOPK), dtype=torch.int32, device="cuda")
-            ix.top_k_per_row(logits, None, ends, TOPK, out=out, **kw)
+        for label, kw in variants(None if prefill else n, rows):
+            out = torch.empty((rows, TOPK), dtype=torch.int32, device="cuda")
+            ix.top_k_per_row(logits, starts, ends, TOPK, out=out, **kw)
             same = all(set(r.tolist()) - {-1} == w for r, w in zip(out.cpu(), want_sets))
-            us = time_graph([lambda kw=kw, out=out: ix.top_k_per_row(logits, None, ends, TOPK, out=out, **kw)] * 20) * 1e6
-            row = {"case": name, "rows": len(lens), "max_len": n, "launch": label, "us": round(us, 2),
+            us = time_graph([lambda kw=kw, out=out: ix.top_k_per_row(logits, starts, ends, TOPK, out=out, **kw)] * 20) * 1e6
+            row = {"case": name, "rows": rows, "max_len": n, "launch": label, "us": round(us, 2),
                    "torch_us": round(torch_us, 2), "same_set_as_torch": same}
             rows_out.append(row)
             print(f"{name:26s} {label:26s} {us:9.2f} {torch_us:9.2f} {str(same):>8s}", flush=True)

@@ -537,18 +537,49 @@ def _choose_digit(hist, prefix, remaining, PASS: tl.constexpr):
 
 
 @triton.jit
+def _topk_one_block(src, dst, start, end, length, TOPK, stride_lc, BLOCK: tl.constexpr, EARLY_STOP: tl.constexpr):
+    """The select of one range of at most BLOCK keys, read once and kept in registers for all
+    passes; the passes stop as soon as the chosen bin is taken whole (random float32 rows of a
+    few thousand: after the second or third byte), which also leaves no ties to rank."""
+    lanes = tl.arange(0, BLOCK)
+    i = start + lanes
+    ok = i < end
+    key = _ordered_key(tl.load(src + i * stride_lc, mask=ok, other=0.0).to(tl.int32, bitcast=True))
+    # int32 scalars from the start: the passes below run under a branch that rewrites them
+    prefix = length * 0
+    remaining = length * 0 + TOPK  # how many of the elements matching `prefix` are still to take
+    whole_bin = length < 0  # becomes True once every key at the chosen prefix is taken: stop early
+    for p in tl.static_range(4):
+        if not whole_bin:
+            prefix, remaining, in_bin = _choose_digit_counted(
+                _digit_histogram(key, ok, prefix, p), prefix, remaining, p)
+            if EARLY_STOP:
+                whole_bin = in_bin == remaining
+    if whole_bin:
+        # prefix's undecided low bits are 0, so key >= prefix is "at or above the chosen
+        # bin", exactly TOPK keys: no ties to rank
+        take = ok & (key >= prefix)
+    else:
+        tie = ok & (key == prefix)
+        take = (ok & (key > prefix)) | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= remaining))
+    tl.store(dst + tl.cumsum(take.to(tl.int32), 0) - 1, lanes, mask=take)
+
+
+@triton.jit
 def _topk_kernel(
     logits_ptr, starts_ptr, ends_ptr, out_ptr,
     N, TOPK,
     stride_lr, stride_lc, stride_or,
     HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, EARLY_STOP: tl.constexpr,
+    SHORT_RANGES: tl.constexpr,
 ):
     """One row per program: exact radix select of the TOPK-th largest logit in [start, end)
     (four 8-bit histogram passes over the row), then one pass writing the positions of
-    everything above it and of the first ties at it, relative to start. ONE_BLOCK (every row
-    within BLOCK, N <= BLOCK): the row is read once and kept in registers for all passes, and
-    the passes stop as soon as the chosen bin is taken whole (random float32 rows of a few
-    thousand: after the second or third byte), which also leaves no ties to rank."""
+    everything above it and of the first ties at it, relative to start. A range of at most
+    BLOCK keys takes _topk_one_block: always with ONE_BLOCK (every row within BLOCK,
+    N <= BLOCK: the streaming code is not compiled), else with SHORT_RANGES when the row's own
+    range is that short (prefill: each token's range, its request's keys, is a short slice of
+    a row as long as the chunk's keys)."""
     row = tl.program_id(0).to(tl.int64)
     start = 0
     if HAS_STARTS:
@@ -565,27 +596,9 @@ def _topk_kernel(
             i = c + lanes
             tl.store(dst + i, tl.where(i < length, i, -1), mask=i < TOPK)
     elif ONE_BLOCK:
-        i = start + lanes
-        ok = i < end
-        key = _ordered_key(tl.load(src + i * stride_lc, mask=ok, other=0.0).to(tl.int32, bitcast=True))
-        # int32 scalars from the start: the passes below run under a branch that rewrites them
-        prefix = length * 0
-        remaining = length * 0 + TOPK  # how many of the elements matching `prefix` are still to take
-        whole_bin = length < 0  # becomes True once every key at the chosen prefix is taken: stop early
-        for p in tl.static_range(4):
-            if not whole_bin:
-                prefix, remaining, in_bin = _choose_digit_counted(
-                    _digit_histogram(key, ok, prefix, p), prefix, remaining, p)
-                if EARLY_STOP:
-                    whole_bin = in_bin == remaining
-        if whole_bin:
-            # prefix's undecided low bits are 0, so key >= prefix is "at or above the chosen
-            # bin", exactly TOPK keys: no ties to rank
-            take = ok & (key >= prefix)
-        else:
-            tie = ok & (key == prefix)
-            take = (ok & (key > prefix)) | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= remaining))
-        tl.store(dst + tl.cumsum(take.to(tl.int32), 0) - 1, lanes, mask=take)
+        _topk_one_block(src, dst, start, end, length, TOPK, stride_lc, BLOCK, EARLY_STOP)
+    elif SHORT_RANGES and length <= BLOCK:
+        _topk_one_block(src, dst, start, end, length, TOPK, stride_lc, BLOCK, EARLY_STOP)
     else:
         prefix = 0
         remaining = TOPK
@@ -722,13 +735,17 @@ def top_k_per_row(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch
     values must not be NaN. `splits` programs share each row (default: one a row's 4096-block, at
     most about two programs per SM in all, so 1 for rows within one block or for 264+ rows on
     132 SMs); with one, ties at the k-th value go to the lowest positions. No host
-    synchronisation (CUDA graphs). `one_block` (default: when every row fits one TOPK_BLOCK,
-    i.e. decode at contexts up to 4096 tokens) keeps the row in registers across the passes
-    instead of reading it five times; False forces the streaming passes (tests, benchmarks).
+    synchronisation (CUDA graphs). A range of at most TOPK_BLOCK keys is kept in registers across
+    the passes instead of being read five times: `one_block` (default: when every row fits one
+    TOPK_BLOCK, i.e. decode at contexts up to 4096 tokens) compiles only that path; otherwise
+    each row whose own range is that short takes it at run time (prefill: a token's range is its
+    request's keys, in rows as long as the chunk's); False forces the streaming passes for every
+    row (tests, benchmarks).
     `early_stop` (one-block rows; False only to compare) ends the passes once the chosen bin
     is taken whole; `num_warps` is the one-program-a-row kernel's width (benchmarks).
     """
     rows, n, out = _check_topk_args(logits, starts, ends, topk, out)
+    short_ranges = one_block is not False
     if one_block is None:
         one_block = n <= TOPK_BLOCK
     _check(not one_block or n <= TOPK_BLOCK, f"top_k_per_row: one_block needs rows of at most {TOPK_BLOCK}, got {n}")
@@ -749,6 +766,7 @@ def top_k_per_row(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch
             n, topk,
             logits.stride(0), logits.stride(1), out.stride(0),
             HAS_STARTS=starts is not None, BLOCK=TOPK_BLOCK, ONE_BLOCK=one_block, EARLY_STOP=early_stop,
+            SHORT_RANGES=short_ranges,
             num_warps=num_warps,
         )
         return out

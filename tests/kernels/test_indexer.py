@@ -424,6 +424,29 @@ def test_triton_top_k_early_stop_at_every_pass(topk: int) -> None:
             assert set(got) == want[r], f"row {r}, early_stop={early_stop}"
 
 
+def test_triton_top_k_short_ranges_of_long_rows() -> None:
+    """Prefill's rows: as long as the chunk's keys, each token's range a slice of them. Ranges
+    of at most one block take the register path at run time, longer ones stream, in one launch;
+    both give the reference's sets, ties at the lowest positions, as the streaming passes do."""
+    gen = torch.Generator().manual_seed(17)
+    n, topk = 3 * ix.TOPK_BLOCK + 100, 2048
+    starts = torch.tensor([0, 5000, 9000, 4096, 100, 12000, 7000], dtype=torch.int32)
+    ends = torch.tensor([3000, 9096, 12388, 4096 + 2049, 8197, 12388, 7000 + 4097], dtype=torch.int32)
+    logits = torch.randn((len(starts), n), generator=gen)
+    logits[3, 4100:6000] = 0.5                                          # ties across the k-th, short range
+    logits[4, 200:7000] = 0.5                                           # the same in a long range (8097)
+    want = ix.top_k_per_row_reference(logits, starts, ends, topk)
+    for one_block in (None, False):  # None: short ranges at run time; False: all streaming
+        out = ix.top_k_per_row(logits, starts, ends, topk, one_block=one_block)
+        for r in range(len(starts)):
+            got, length = out[r].tolist(), int(ends[r] - starts[r])
+            if length < topk:  # the whole range, then -1
+                assert got == list(range(length)) + [-1] * (topk - length), f"row {r}, one_block={one_block}"
+                continue
+            assert set(got) == want[r], f"row {r}, one_block={one_block}"
+            assert_is_a_top_k(got, logits[r, int(starts[r]):int(ends[r])], topk)
+
+
 def test_triton_top_k_one_block_refuses_longer_rows() -> None:
     with pytest.raises(ValueError, match="one_block needs rows of at most 4096, got 4097"):
         ix.top_k_per_row(torch.zeros((1, 4097)), None, torch.tensor([4097], dtype=torch.int32), 8, one_block=True)

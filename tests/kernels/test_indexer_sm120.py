@@ -85,10 +85,10 @@ SPLIT_SELECT_SIG = {"logits_ptr": "*fp32", "starts_ptr": "*i32", "ends_ptr": "*i
                     "stride_lc": "i32", "stride_or": "i32", "SPLIT": "i32"}
 for c in configs["topk"]:
     fit = []
-    for one_block in (False, True):
+    for one_block, short_ranges in ((False, True), (False, False), (True, True)):
         fit.append(report(compile_for_sm120(
             ix._topk_kernel, TOPK_SIG, {"HAS_STARTS": c["starts"], "BLOCK": ix.TOPK_BLOCK, "ONE_BLOCK": one_block,
-                                        "EARLY_STOP": True},
+                                        "EARLY_STOP": True, "SHORT_RANGES": short_ranges},
             num_warps=ix.TOPK_WARPS, num_stages=1, aligned=("logits_ptr", "out_ptr", "stride_or"))))
     for p in range(4):
         fit.append(report(compile_for_sm120(
@@ -124,8 +124,10 @@ def test_prefill_kernel_fits_sm120(reports: dict, index: int) -> None:
 
 @pytest.mark.parametrize("index", range(len(TOPK)), ids=[f"starts{c['starts']}" for c in TOPK])
 def test_topk_kernels_fit_sm120(reports: dict, index: int) -> None:
-    kernels = reports["topk"][index]   # one program a row (streaming, one block); the split path's hist x4, choose x4, select
-    assert len(kernels) == 11
+    # one program a row (short ranges at run time, streaming only, one block); the split path's
+    # hist x4, choose x4, select
+    kernels = reports["topk"][index]
+    assert len(kernels) == 12
     for r in kernels:
         assert r["fits"], r["text"]
     assert kernels[0]["shared"] > 0 and kernels[1]["shared"] > 0 and kernels[2]["shared"] > 0  # the histograms
