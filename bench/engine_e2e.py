@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> None:
         result["throughput"].append({
             "batch": batch, "prefill_s": round(t1, 3), "total_s": round(t65, 3),
             "prefill_runs_s": [round(t, 3) for t in runs1], "total_runs_s": [round(t, 3) for t in runs65],
-            "triton_compiles_timed": _triton_cache_entries() - compiled_before,
+            "triton_compiled_timed": _kernel_names(_triton_cache_entries() - compiled_before),
             "prefill_tok_s": round(batch * THROUGHPUT_PROMPT / t1),
             "decode_tok_s": round(batch * DECODE_TOKENS / (t65 - t1), 1),
             "output_tok_s": round(batch * (DECODE_TOKENS + 1) / t65, 1)})
@@ -164,11 +164,19 @@ def run(args: argparse.Namespace) -> None:
         print(json.dumps(result[key])[:2000], flush=True)
 
 
-def _triton_cache_entries() -> int:
+def _triton_cache_entries() -> set[str]:
     """Kernels in Triton's on-disk cache (one directory each, shared with the engine's processes):
-    the count grows when a timed run compiles."""
+    the set grows when a timed run compiles."""
     directory = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
-    return len(os.listdir(directory)) if os.path.isdir(directory) else 0
+    return {os.path.join(directory, d) for d in os.listdir(directory)} if os.path.isdir(directory) else set()
+
+
+def _kernel_names(entries: set[str]) -> list[str]:
+    """The kernels compiled into these cache entries (each holds <kernel name>.json beside its binary)."""
+    names = []
+    for entry in sorted(entries):
+        names += [f[:-5] for f in os.listdir(entry) if f.endswith(".json") and not f.startswith("__grp__")]
+    return sorted(names)
 
 
 def _profiler_config(directory: str, phase: str = "decode") -> dict:
