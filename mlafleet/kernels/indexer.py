@@ -127,7 +127,15 @@ def mqa_logits_reference(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor
     return logits.masked_fill(~inside, NEG_INF).to(torch.float32)
 
 
-@triton.jit
+# Triton specialises integer arguments on divisibility by 16 and on 1, one compiled variant each:
+# a prefill chunk's token and key counts vary with the batch's make-up, so they are not
+# specialised (else the first batch of a new make-up compiles inside a request: 0.3-0.9 s
+# seen in the engine, docs/e2e-h200.md, "third round"), and the logits rows are padded to
+# LOGITS_ROW_ALIGN floats so their stride is one specialisation (and stores stay vectorised).
+LOGITS_ROW_ALIGN = 16
+
+
+@triton.jit(do_not_specialize=["M", "N", "SPLIT"])
 def _mqa_logits_kernel(
     q_ptr, k_ptr, ks_ptr, ke_ptr, scale_ptr, w_ptr, out_ptr,
     M, N, H,
@@ -227,7 +235,8 @@ def mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, weights:
     """MQA logits for prefill, what DeepGEMM's `fp8_fp4_mqa_logits` computes on FP8 inputs.
 
     q [M, H, D] float8_e4m3fn; k [N, D] float8_e4m3fn; k_scale [N] float32; weights [M, H]
-    float32; ks, ke [M] int32: query m scores keys [ks[m], ke[m]). Returns [M, N] float32.
+    float32; ks, ke [M] int32: query m scores keys [ks[m], ke[m]). Returns [M, N] float32, its
+    rows LOGITS_ROW_ALIGN floats apart (as DeepGEMM's are padded: consumers take the row stride).
     """
     _check(q.dim() == 3, f"mqa_logits: q must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
     M, H, D = q.shape
@@ -249,7 +258,8 @@ def mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, weights:
     _check(len(devices) == 1, f"mqa_logits: all inputs must be on one device, got {devices}")
     _check_device(q.device, "mqa_logits")
 
-    logits = torch.empty((M, N), dtype=torch.float32, device=q.device)
+    padded = triton.cdiv(N, LOGITS_ROW_ALIGN) * LOGITS_ROW_ALIGN
+    logits = torch.empty((M, padded), dtype=torch.float32, device=q.device)[:, :N]
     if M == 0 or N == 0:
         return logits
     hp = triton.next_power_of_2(H)
@@ -565,7 +575,7 @@ def _topk_one_block(src, dst, start, end, length, TOPK, stride_lc, BLOCK: tl.con
     tl.store(dst + tl.cumsum(take.to(tl.int32), 0) - 1, lanes, mask=take)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # a prefill chunk's key count (see LOGITS_ROW_ALIGN)
 def _topk_kernel(
     logits_ptr, starts_ptr, ends_ptr, out_ptr,
     N, TOPK,

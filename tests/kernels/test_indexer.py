@@ -152,6 +152,10 @@ def test_mqa_logits_non_contiguous_views() -> None:
     ke = torch.tensor([90, 1, 45, 89, 60], dtype=torch.int32)
     out = ix.mqa_logits(q, k, k_scale, w, ks, ke, clean_logits=True)
     assert_logits_match(out, ix.mqa_logits_reference(q, k, k_scale, w, ks, ke), clean=True)
+    # rows padded to LOGITS_ROW_ALIGN floats (one specialisation of the stride, whatever n is),
+    # and the top-k reads them through that stride
+    assert out.shape == (m, n) and out.stride() == (96, 1)
+    assert torch.equal(ix.top_k_per_row(out, ks, ke, 8), ix.top_k_per_row(out.contiguous(), ks, ke, 8))
 
 
 def test_mqa_logits_reference_is_the_deepgemm_formula() -> None:
