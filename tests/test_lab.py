@@ -1,8 +1,9 @@
-"""The lab's pure parts: image recipe hashing, inventory, the tiny served model."""
+"""The lab: image recipe hashing and pruning, inventory, the tiny served model."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import yaml
@@ -43,3 +44,33 @@ def test_tiny_llama_is_deterministic_and_fits_cpu_attention(tmp_path: Path):
     tok = json.loads((a / "tokenizer.json").read_text())
     assert len(tok["model"]["vocab"]) + len(tok["added_tokens"]) <= VOCAB == config["vocab_size"]
     assert "chat_template" in json.loads((a / "tokenizer_config.json").read_text())
+
+
+def _tiny_image(ref: str, content: str, tmp_path: Path) -> None:
+    """A real one-file image made with `docker import` (no registry needed)."""
+    root = tmp_path / ref.replace(":", "-").replace("/", "-")
+    root.mkdir()
+    (root / "marker").write_text(content)
+    tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
+    lab.sh("docker", "import", "-", ref, stdin=tar.stdout)
+    assert tar.wait() == 0
+
+
+def test_a_new_image_drops_the_outdated_tags_of_its_repository(tmp_path: Path):
+    """Old hash-tagged images go (the disk CI ran out of); the kept, latest, others' and in-use ones stay."""
+    lab.ensure_docker()
+    repo, other = "mlafleet-test-prune", "mlafleet-test-prune-other"
+    for ref in (f"{repo}:aaaaaaaaaaaa", f"{repo}:bbbbbbbbbbbb", f"{repo}:cccccccccccc", f"{repo}:latest",
+                f"{other}:aaaaaaaaaaaa"):
+        _tiny_image(ref, ref, tmp_path)
+    busy = lab.sh("docker", "create", f"{repo}:bbbbbbbbbbbb", "/marker").stdout.strip()
+    try:
+        removed = lab.drop_other_tags(repo, "cccccccccccc")
+        tags = set(lab.sh("docker", "image", "ls", repo, "--format", "{{.Tag}}").stdout.split())
+        assert removed == ["aaaaaaaaaaaa"]
+        assert tags == {"bbbbbbbbbbbb", "cccccccccccc", "latest"}  # bbbb: a container uses it
+        assert lab.image_exists(f"{other}:aaaaaaaaaaaa")  # another repository is not touched
+    finally:
+        lab.sh("docker", "rm", "-f", busy, check=False)
+        for ref in (f"{repo}:bbbbbbbbbbbb", f"{repo}:cccccccccccc", f"{repo}:latest", f"{other}:aaaaaaaaaaaa"):
+            lab.sh("docker", "image", "rm", "-f", ref, check=False)

@@ -101,6 +101,29 @@ def image_exists(ref: str) -> bool:
     return sh("docker", "image", "inspect", ref, check=False).returncode == 0
 
 
+def drop_other_tags(repo: str, keep: str) -> list[str]:
+    """Remove every tag of `repo` but `keep` and `latest`; return the tags removed.
+
+    Each image is cached under the hash of its inputs, so every change to a recipe, a lock
+    file or a patch set manifest builds a new one beside the old (6-12 GB each): without this
+    a controller (and CI, on the machine of the session before it) fills its disk with images
+    no run will use again. An old tag still used by a container (a lab left up) stays, named.
+    Layers shared with the kept image stay; an old parent goes with its last child.
+    """
+    tags = sh("docker", "image", "ls", repo, "--format", "{{.Tag}}").stdout.split()
+    removed = []
+    for tag in tags:
+        if tag in (keep, "latest", "<none>"):
+            continue
+        out = sh("docker", "image", "rm", f"{repo}:{tag}", check=False)
+        if out.returncode == 0:
+            removed.append(tag)
+            log(f"removed the outdated image {repo}:{tag}")
+        else:
+            log(f"kept the outdated image {repo}:{tag}: {(out.stderr or out.stdout).strip()[-300:]}")
+    return removed
+
+
 # --- images -----------------------------------------------------------------------------
 
 def recipe_hash() -> str:
@@ -133,6 +156,8 @@ def build_base_image(force: bool = False) -> str:
         log(f"docker build -> {tag}")
         sh("docker", "build", "-q", "--build-arg", f"ROOTFS={rootfs}", "-t", tag, str(RECIPE_DIR))
     sh("docker", "tag", tag, f"{BASE_IMAGE}:latest")
+    drop_other_tags(BASE_IMAGE, recipe_hash())
+    drop_other_tags(f"{BASE_IMAGE}-rootfs", recipe_hash())
     return tag
 
 
@@ -160,6 +185,7 @@ def build_release_image(force: bool = False) -> str:
     else:
         _install_into_image(f"{BASE_IMAGE}:latest", tag, LAB_LINES[:1])
     sh("docker", "tag", tag, f"{RELEASE_IMAGE}:latest")
+    drop_other_tags(RELEASE_IMAGE, tag.rsplit(":", 1)[1])
     return tag
 
 
@@ -176,6 +202,7 @@ def build_lines_image(force: bool = False) -> str:
     else:
         _install_into_image(f"{RELEASE_IMAGE}:latest", tag, LAB_LINES[1:], keep_current=True)
     sh("docker", "tag", tag, f"{LINES_IMAGE}:latest")
+    drop_other_tags(LINES_IMAGE, tag.rsplit(":", 1)[1])
     return tag
 
 
