@@ -74,3 +74,27 @@ def test_a_new_image_drops_the_outdated_tags_of_its_repository(tmp_path: Path):
         lab.sh("docker", "rm", "-f", busy, check=False)
         for ref in (f"{repo}:bbbbbbbbbbbb", f"{repo}:cccccccccccc", f"{repo}:latest", f"{other}:aaaaaaaaaaaa"):
             lab.sh("docker", "image", "rm", "-f", ref, check=False)
+
+
+def test_outdated_images_go_children_first_so_their_layers_are_freed(tmp_path: Path):
+    """An old child (lines) made from an old parent (release) by `docker commit`: both are deleted,
+    not merely untagged, before anything new is built; the current tags stay."""
+    lab.ensure_docker()
+    parent, child = "mlafleet-test-parent", "mlafleet-test-child"
+    _tiny_image(f"{parent}:old000000000", "old parent", tmp_path)
+    _tiny_image(f"{parent}:new000000000", "new parent", tmp_path)
+    maker = lab.sh("docker", "create", f"{parent}:old000000000", "/marker").stdout.strip()
+    lab.sh("docker", "commit", maker, f"{child}:old000000000")
+    lab.sh("docker", "rm", "-f", maker)
+    old_parent_id = lab.sh("docker", "image", "inspect", "-f", "{{.Id}}", f"{parent}:old000000000").stdout.strip()
+    try:
+        assert set(lab.current_image_tags()) == {lab.LINES_IMAGE, lab.RELEASE_IMAGE, lab.BASE_IMAGE,
+                                                 f"{lab.BASE_IMAGE}-rootfs"}
+        assert list(lab.current_image_tags())[:3] == [lab.LINES_IMAGE, lab.RELEASE_IMAGE, lab.BASE_IMAGE]
+        lab.drop_outdated_images({child: "new000000000", parent: "new000000000"})
+        assert not lab.image_exists(f"{child}:old000000000")
+        assert not lab.image_exists(old_parent_id)  # the layers are gone, not only the tag
+        assert lab.image_exists(f"{parent}:new000000000")
+    finally:
+        for ref in (f"{child}:old000000000", f"{parent}:old000000000", f"{parent}:new000000000"):
+            lab.sh("docker", "image", "rm", "-f", ref, check=False)

@@ -134,8 +134,25 @@ def recipe_hash() -> str:
     return h.hexdigest()[:12]
 
 
+def current_image_tags() -> dict[str, str]:
+    """The tag each lab image repository has for this checkout, children before parents (the
+    lines image is made from the release image, that from the base image, that from the rootfs)."""
+    return {LINES_IMAGE: release_inputs_hash(("files/vllm",)), RELEASE_IMAGE: release_inputs_hash(),
+            BASE_IMAGE: recipe_hash(), f"{BASE_IMAGE}-rootfs": recipe_hash()}
+
+
+def drop_outdated_images(tags: dict[str, str] | None = None) -> None:
+    """Before any image is built: remove every lab image whose tag is not this checkout's.
+
+    Done first, children first, so that the space is free before the new images need it
+    (CI once ran out of disk committing the new lines image beside the old hash's images)."""
+    for repo, keep in (tags or current_image_tags()).items():
+        drop_other_tags(repo, keep)
+
+
 def build_base_image(force: bool = False) -> str:
     ensure_docker()
+    drop_outdated_images()
     tag = f"{BASE_IMAGE}:{recipe_hash()}"
     if image_exists(tag) and not force:
         log(f"{tag} is up to date")
@@ -156,8 +173,6 @@ def build_base_image(force: bool = False) -> str:
         log(f"docker build -> {tag}")
         sh("docker", "build", "-q", "--build-arg", f"ROOTFS={rootfs}", "-t", tag, str(RECIPE_DIR))
     sh("docker", "tag", tag, f"{BASE_IMAGE}:latest")
-    drop_other_tags(BASE_IMAGE, recipe_hash())
-    drop_other_tags(f"{BASE_IMAGE}-rootfs", recipe_hash())
     return tag
 
 
@@ -185,7 +200,6 @@ def build_release_image(force: bool = False) -> str:
     else:
         _install_into_image(f"{BASE_IMAGE}:latest", tag, LAB_LINES[:1])
     sh("docker", "tag", tag, f"{RELEASE_IMAGE}:latest")
-    drop_other_tags(RELEASE_IMAGE, tag.rsplit(":", 1)[1])
     return tag
 
 
@@ -202,7 +216,6 @@ def build_lines_image(force: bool = False) -> str:
     else:
         _install_into_image(f"{RELEASE_IMAGE}:latest", tag, LAB_LINES[1:], keep_current=True)
     sh("docker", "tag", tag, f"{LINES_IMAGE}:latest")
-    drop_other_tags(LINES_IMAGE, tag.rsplit(":", 1)[1])
     return tag
 
 
