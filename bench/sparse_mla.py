@@ -39,6 +39,7 @@ from cuda_timing import time_graph
 
 from mlafleet.kernels import sparse_mla as sm
 
+DEV = "cuda"  # --cpu-dry-run: "cpu" (Triton's interpreter, small sizes)
 S_KV = 2_000_000
 S_KV_WARM = 64_000  # --warm: same divisibility by 16 as S_KV, so the same compiled kernels
 TOPK = 2048
@@ -59,14 +60,17 @@ CASES = [(kind, s_q, h_q) for kind in ("bf16", "fp8") for s_q, h_q in SHAPES] + 
 K = sm.KernelConfig
 CANDIDATES: dict[str, list[sm.KernelConfig]] = {
     "bf16": [K(16, 32, 4, 5), K(16, 64, 8, 2)],
-    "fp8": [K(16, 32, 4, 5, scale_logits=False), K(16, 32, 4, 5)],
+    "fp8": [K(16, 32, 4, 5, scale_logits=False), K(16, 32, 4, 5), K(16, 32, 4, 5, f16_keys=True),
+            K(16, 32, 8, 5, f16_keys=True)],
 }
 # --sweep: split counts for every candidate at these (s_q, h_q)
 SPLIT_SWEEP = {(8, 8): (16, 32), (8, 64): (4, 8), (64, 32): (1, 2), (64, 64): (1, 2)}
 
 
-def cfg_name(cfg: sm.KernelConfig) -> str:
-    extra = (f"r{cfg.maxnreg}" if cfg.maxnreg else "") + ("" if cfg.scale_logits else "k")
+def cfg_name(cfg: sm.KernelConfig, kind: str = "fp8") -> str:
+    """h heads, n keys a step, w warps, s stages; fp8: k = scales on the keys, f = float16 keys
+    (KEYS_F16), neither = scales on the logits."""
+    extra = "" if kind == "bf16" else ("f" if cfg.f16_keys else "" if cfg.scale_logits else "k")
     return f"h{cfg.block_h}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}{extra}"
 
 
@@ -85,7 +89,7 @@ def load_flashmla(root: str | None):
 def copy_bandwidth() -> float:
     """GB/s of a device-to-device copy, counting bytes read plus bytes written."""
     n = 2 << 30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    src = torch.empty(n, dtype=torch.uint8, device=DEV).random_()
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
@@ -101,14 +105,15 @@ def copy_bandwidth() -> float:
     return 2 * n / statistics.median(times) / 1e9
 
 
-def make_indices(s_q: int, topk: int, gen: torch.Generator, s_kv: int = S_KV,
+def make_indices(s_q: int, topk: int, gen: torch.Generator, s_kv: int | None = None,
                  invalid: bool = False) -> torch.Tensor:
-    idx = torch.randint(0, s_kv, (s_q, 1, topk), device="cuda", dtype=torch.int32, generator=gen)
+    s_kv = s_kv or S_KV
+    idx = torch.randint(0, s_kv, (s_q, 1, topk), device=DEV, dtype=torch.int32, generator=gen)
     if invalid:
         idx[:, :, 5::17] = -1
         idx[:, :, 7::29] = s_kv + 3
         idx[:, :, 11::13] = torch.randint(s_kv - 50_000, s_kv, idx[:, :, 11::13].shape,
-                                          device="cuda", dtype=torch.int32, generator=gen)
+                                          device=DEV, dtype=torch.int32, generator=gen)
         if s_q > 1:
             idx[-1] = -1  # a row with nothing valid
     return idx
@@ -132,8 +137,8 @@ class FlashMlaFp8:
         self.h_q = h_q
         self.padded = 64 if h_q <= 64 else 128
         self.meta, _ = fm.get_mla_metadata()
-        self.block_table = torch.zeros((b, 1), dtype=torch.int32, device="cuda")
-        self.cache_lens = torch.full((b,), 4096, dtype=torch.int32, device="cuda")
+        self.block_table = torch.zeros((b, 1), dtype=torch.int32, device=DEV)
+        self.cache_lens = torch.full((b,), 4096, dtype=torch.int32, device=DEV)
 
     def __call__(self, q: torch.Tensor, cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         q = q.unsqueeze(1)  # [b, 1, h, 576]
@@ -182,9 +187,9 @@ def correctness(fm, before, kv: torch.Tensor, cache: torch.Tensor, gen: torch.Ge
                      "empty_ok": bool(torch.isposinf(lse[empty]).all() and (out[empty] == 0).all())})
 
     for h_q in (8, 16, 32, 64, 128):
-        q = torch.randn(4, h_q, 576, device="cuda", generator=gen).bfloat16()
+        q = torch.randn(4, h_q, 576, device=DEV, generator=gen).bfloat16()
         idx = make_indices(4, TOPK, gen, invalid=True)
-        assert int(idx.max()) * BF16_ROW_BYTES > 2**31  # rows past 2^31 bytes are read
+        assert DEV == "cpu" or int(idx.max()) * BF16_ROW_BYTES > 2**31  # rows past 2^31 bytes are read
         ref, ref_lse = sm.reference_sparse_mla(q, kv, idx, SCALE)
         ref8, ref8_lse = sm.reference_sparse_mla_fp8(q, cache, idx, SCALE)
         for name, splits in (("auto", None), ("unsplit", 1), ("split 16", 16)):
@@ -196,10 +201,10 @@ def correctness(fm, before, kv: torch.Tensor, cache: torch.Tensor, gen: torch.Ge
             for splits in (1, 4):
                 if dtype == "bf16":
                     o, l = sm.sparse_mla_fwd(q, kv, idx, SCALE, num_splits=splits, config=cfg)
-                    record(dtype, h_q, f"ours ({cfg_name(cfg)}, {splits} splits)", o, l, ref, ref_lse)
+                    record(dtype, h_q, f"ours ({cfg_name(cfg, dtype)}, {splits} splits)", o, l, ref, ref_lse)
                 else:
                     o, l = sm.sparse_mla_fwd_fp8(q, cache, idx, SCALE, num_splits=splits, config=cfg)
-                    record(dtype, h_q, f"ours ({cfg_name(cfg)}, {splits} splits)", o, l, ref8, ref8_lse)
+                    record(dtype, h_q, f"ours ({cfg_name(cfg, dtype)}, {splits} splits)", o, l, ref8, ref8_lse)
         if before is not None:
             record("bf16", h_q, "before", *before.sparse_mla_fwd(q, kv, idx, SCALE), ref, ref_lse)
             record("fp8", h_q, "before", *before.sparse_mla_fwd_fp8(q, cache, idx, SCALE), ref8, ref8_lse)
@@ -241,16 +246,17 @@ def caller(impl_mod, kind: str, src: torch.Tensor, cfg, splits):
 
 def warm(shard: int, n_shards: int, before) -> None:
     """Compile this shard's launches on a small cache (same specialisations as the timing)."""
-    gen = torch.Generator(device="cuda").manual_seed(shard)
-    kv = torch.randn(S_KV_WARM, 1, 576, device="cuda", generator=gen).bfloat16()
+    gen = torch.Generator(device=DEV).manual_seed(shard)
+    kv = torch.randn(S_KV_WARM, 1, 576, device=DEV, generator=gen).bfloat16()
     cache = sm.quantize_fp8_ds_mla(kv.view(S_KV_WARM, 576)).view(S_KV_WARM // 64, 64, 656)
     todo = launches(before)[shard::n_shards]
     for impl, kind, s_q, h_q, cfg, splits in todo:
         mod = sm if impl == "ours" else before
         fn = caller(mod, kind, kv if kind == "bf16" else cache, cfg, splits)
-        q = torch.randn(s_q, h_q, 576, device="cuda", generator=gen).bfloat16()
+        q = torch.randn(s_q, h_q, 576, device=DEV, generator=gen).bfloat16()
         fn(q, make_indices(s_q, TOPK, gen, s_kv=S_KV_WARM))
-    torch.cuda.synchronize()
+    if DEV == "cuda":
+        torch.cuda.synchronize()
     print(f"warm {shard}/{n_shards}: {len(todo)} launches", flush=True)
 
 
@@ -259,19 +265,24 @@ def bench_case(fm, before, kind: str, s_q: int, h_q: int, kv: torch.Tensor, cach
     row_bytes = BF16_ROW_BYTES if kind == "bf16" else FP8_ROW_BYTES
     gathered = s_q * TOPK * row_bytes
     n_sets = max(1, min(64, math.ceil(L2_FLUSH_BYTES / gathered)))
-    qs = [torch.randn(s_q, h_q, 576, device="cuda", generator=gen).bfloat16() for _ in range(n_sets)]
+    qs = [torch.randn(s_q, h_q, 576, device=DEV, generator=gen).bfloat16() for _ in range(n_sets)]
     idxs = [make_indices(s_q, TOPK, gen) for _ in range(n_sets)]
     src = kv if kind == "bf16" else cache
     result = {"cache": kind, "s_q": s_q, "h_q": h_q, "gathered_MB": gathered / 1e6, "sets": n_sets,
               "flops": 2 * s_q * h_q * TOPK * (576 + 512)}
 
     def timed(fn, replays=20):
+        if DEV == "cpu":  # --cpu-dry-run: one call each, for the script's sake, not the numbers
+            started = time.perf_counter()
+            for q, i in zip(qs, idxs):
+                fn(q, i)
+            return (time.perf_counter() - started) / len(qs)
         return time_graph([lambda q=q, i=i: fn(q, i) for q, i in zip(qs, idxs)], replays)
 
     ours = caller(sm, kind, src, None, None)
     result["ours_s"] = timed(ours)
     cfg = sm.choose_config(h_q, kind == "fp8")
-    result["ours_config"] = cfg_name(cfg)
+    result["ours_config"] = cfg_name(cfg, kind)
     if before is not None:
         result["before_s"] = timed(caller(before, kind, src, None, None))
     if fm is not None:
@@ -285,9 +296,9 @@ def bench_case(fm, before, kind: str, s_q: int, h_q: int, kv: torch.Tensor, cach
     if sweep:
         result["sweep_us"] = {}
         for cfg in CANDIDATES[kind]:
-            result["sweep_us"][cfg_name(cfg)] = round(timed(caller(sm, kind, src, cfg, None), 10) * 1e6, 1)
+            result["sweep_us"][cfg_name(cfg, kind)] = round(timed(caller(sm, kind, src, cfg, None), 10) * 1e6, 1)
             for splits in SPLIT_SWEEP.get((s_q, h_q), ()):
-                result["sweep_us"][f"{cfg_name(cfg)}/s{splits}"] = round(
+                result["sweep_us"][f"{cfg_name(cfg, kind)}/s{splits}"] = round(
                     timed(caller(sm, kind, src, cfg, splits), 10) * 1e6, 1)
     for key in ("ours", "before", "flashmla"):
         t = result.get(f"{key}_s")
@@ -319,6 +330,17 @@ def table(results: list[dict], copy_bw: float) -> str:
             f"| {fmt(us('flashmla_s'), '.1f')} | {fmt(r.get('flashmla_pct_copy'), '.0f')}% "
             f"| {fmt(ratio('ours_s', 'before_s'), '.2f')} | {fmt(ratio('ours_s', 'flashmla_s'), '.2f')} "
             f"| {fmt(vs_bf16, '.2f')} |")
+    swept = [r for r in results if r.get("sweep_us")]
+    for kind in ("bf16", "fp8"):
+        names = list(dict.fromkeys(n for r in swept if r["cache"] == kind for n in r["sweep_us"] if "/" not in n))
+        if not names:
+            continue
+        lines += ["", f"sweep, {kind} (us; the launcher's split rule):", "",
+                  "| s_q x h_q | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        for r in swept:
+            if r["cache"] == kind:
+                lines.append(f"| {r['s_q']} x {r['h_q']} | "
+                             + " | ".join(fmt(r["sweep_us"].get(n), ".1f") for n in names) + " |")
     return "\n".join(lines)
 
 
@@ -330,7 +352,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="folder for sparse_mla.json and sparse_mla.md")
     parser.add_argument("--sweep", action="store_true", help="also time CANDIDATES and split counts")
     parser.add_argument("--warm", help="I/N: compile share I of N of the launches, then exit")
+    parser.add_argument("--cpu-dry-run", action="store_true",
+                        help="check the script without a GPU: TRITON_INTERPRET=1, a small cache, a few cases")
     args = parser.parse_args()
+    if args.cpu_dry_run:
+        global DEV, S_KV, TOPK, CASES, L2_FLUSH_BYTES
+        DEV, S_KV, TOPK, L2_FLUSH_BYTES = "cpu", 4096, 128, 1
+        CASES = [(kind, s_q, h_q) for kind in ("bf16", "fp8") for s_q, h_q in ((1, 8), (2, 32))]
     before = importlib.import_module(args.before) if args.before else None
     if args.warm:
         shard, n = (int(x) for x in args.warm.split("/"))
@@ -338,15 +366,19 @@ def main() -> None:
         return
 
     started = time.time()
-    props = torch.cuda.get_device_properties(0)
-    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
+    if DEV == "cpu":
+        name, sms = "CPU dry run (Triton interpreter; timings mean nothing)", 0
+    else:
+        props = torch.cuda.get_device_properties(0)
+        name, sms = props.name, props.multi_processor_count
+    print(f"{name}, {sms} SMs, torch {torch.__version__}, "
           f"triton {__import__('triton').__version__}", flush=True)
     fm = load_flashmla(args.flashmla)
-    copy_bw = copy_bandwidth()
+    copy_bw = copy_bandwidth() if DEV == "cuda" else 1.0
     print(f"copy bandwidth: {copy_bw:.0f} GB/s", flush=True)
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    kv = torch.randn(S_KV, 1, 576, device="cuda", generator=gen).bfloat16()
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    kv = torch.randn(S_KV, 1, 576, device=DEV, generator=gen).bfloat16()
     cache = sm.quantize_fp8_ds_mla(kv.view(S_KV, 576)).view(S_KV // 64, 64, 656)
     print(f"caches: bf16 {kv.numel() * 2 / 1e9:.2f} GB, fp8 {cache.numel() / 1e9:.2f} GB "
           f"({time.time() - started:.0f} s)", flush=True)
@@ -367,7 +399,7 @@ def main() -> None:
         print("case", json.dumps(r), flush=True)
 
     text = table(results, copy_bw)
-    header = (f"{props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
+    header = (f"{name} ({sms} SMs), torch {torch.__version__}, "
               f"triton {__import__('triton').__version__}, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, topk {TOPK}, "
               f"{S_KV} slots, correctness {'PASS' if ok else 'FAIL'} (worst row error {worst:.2e})")
