@@ -327,54 +327,14 @@ def _fp8_bits_times_bf16(raw, factor, DOT_F32: tl.constexpr):
             constraints="=r,=r,r,r,r", args=[raw, factor], dtype=tl.bfloat16, is_pure=False, pack=4)
 
 
-# float8_e4m3 to float16 is one instruction per two values on sm_89 and later (SM90, SM12x):
-# the 4 bytes of $2 split into two 16-bit halves, each converted to a float16 pair (low byte to
-# the low half, so values 0, 1 land in $0 and 2, 3 in $1). Every e4m3 value is a float16 value.
-_FP8_TO_F16_PTX = tl.constexpr("""{
-    .reg .b16 lo, hi;
-    mov.b32 {lo, hi}, $2;
-    cvt.rn.f16x2.e4m3x2 $0, lo;
-    cvt.rn.f16x2.e4m3x2 $1, hi;
-}""")
-
-
 @triton.jit
-def _fp8_as_f16(raw, DOT_F32: tl.constexpr):
-    """float8_e4m3 bytes (uint8) as their exact values in float16 (KEYS_F16): one hardware
-    conversion per two values, where the bfloat16 route takes three integer instructions and,
-    for scaled keys, a multiply. Not marked pure, for the reason _fp8_bits_as_bf16 gives. The
-    interpreter takes the bfloat16 bit route to x * 2^-120 and multiplies by 2^120 (exact)."""
-    if DOT_F32:
-        return _fp8_bits_as_bf16(raw, DOT_F32) * 1.329227995784916e36
-    else:
-        return tl.inline_asm_elementwise(asm=_FP8_TO_F16_PTX, constraints="=r,=r,r", args=[raw],
-                                         dtype=tl.float16, is_pure=False, pack=4)
-
-
-@triton.jit
-def _pow2_unit(unit, scales):
-    """KEYS_F16's running unit of a group: (the larger of `unit` and the power of two just above
-    the tile's largest scale, its reciprocal). Both from the float32 exponent field: `unit` is a
-    power of two (2^-126 to begin with) and the scales are finite and non-negative."""
-    above = (((tl.max(scales, 0).to(tl.int32, bitcast=True) >> 23) + 1) << 23).to(tl.float32, bitcast=True)
-    new = tl.maximum(unit, above)
-    inv = ((254 - (new.to(tl.int32, bitcast=True) >> 23)) << 23).to(tl.float32, bitcast=True)
-    return new, inv
-
-
-@triton.jit
-def _key_group(raw, scale, FP8: tl.constexpr, SCALE_LOGITS: tl.constexpr, DOT_F32: tl.constexpr,
-               KEYS_F16: tl.constexpr):
-    """A loaded group as a dot operand. bf16: as loaded. fp8 with KEYS_F16: the exact values in
-    float16 (_fp8_as_f16), unscaled (the scales go onto the logits and probabilities, as
-    with SCALE_LOGITS). fp8_ds_mla with SCALE_LOGITS: the
+def _key_group(raw, scale, FP8: tl.constexpr, SCALE_LOGITS: tl.constexpr, DOT_F32: tl.constexpr):
+    """A loaded group as a dot operand. bf16: as loaded. fp8_ds_mla with SCALE_LOGITS: the
     float8_e4m3 values times 2^-120 (_fp8_bits_as_bf16), unscaled: the group's scale goes
     onto the [heads x keys] logits and probabilities instead. Without: x * scale * 2^-60 in
     bfloat16 (_fp8_bits_times_bf16; q carries the 2^60), exact for power-of-two scales."""
     if FP8:
-        if KEYS_F16:
-            return _fp8_as_f16(raw, DOT_F32)
-        elif SCALE_LOGITS:
+        if SCALE_LOGITS:
             return _fp8_bits_as_bf16(raw, DOT_F32)
         else:
             factor = (scale * 1.152921504606847e18).to(tl.bfloat16)  # scale * 2^60
@@ -402,7 +362,6 @@ def _sparse_mla_kernel(
     SCALE_LOGITS: tl.constexpr,  # fp8: scale the logits and probabilities, not the keys
     DOT_F32: tl.constexpr,  # interpreter: bf16 tl.dot is wrong there, so dot in float32
     TRIM_TAIL: tl.constexpr,  # first find the split's last valid index, stop the key loop there
-    KEYS_F16: tl.constexpr,  # fp8: latent keys as exact float16 values, q per head in float16
 ):
     # The 512 latent dims are handled as 4 groups of 128 (the fp8 scale groups): 4 key tiles,
     # 4 query tiles, 4 accumulators. The 64 RoPE dims only enter the logits.
@@ -418,35 +377,13 @@ def _sparse_mla_kernel(
     d128 = tl.arange(0, 128)
     d_rope = tl.arange(0, 64)
     q_base = Q + tok * stride_q_tok + heads.to(tl.int64)[:, None] * stride_q_head
-    q0 = tl.load(q_base + (0 + d128)[None, :] * stride_q_dim, mask=head_ok[:, None], other=0.0)
-    q1 = tl.load(q_base + (128 + d128)[None, :] * stride_q_dim, mask=head_ok[:, None], other=0.0)
-    q2 = tl.load(q_base + (256 + d128)[None, :] * stride_q_dim, mask=head_ok[:, None], other=0.0)
-    q3 = tl.load(q_base + (384 + d128)[None, :] * stride_q_dim, mask=head_ok[:, None], other=0.0)
-    # the latent dots' operand type: float16 for KEYS_F16 (the keys' exact values), else q's
-    lat_dtype: tl.constexpr = tl.float32 if DOT_F32 else (tl.float16 if FP8 and KEYS_F16 else tl.bfloat16)
-    q_unpow = tl.full([BLOCK_H], 1.0, tl.float32)  # KEYS_F16: 2^-e per head, undoes q's power of two
-    if FP8 and KEYS_F16:
-        # float16 has the range of neither q nor bf16: each head's latent q is multiplied by the
-        # power of two 2^e that puts its largest magnitude in [2^14, 2^15) (exact; 11 significant
-        # bits in float16 where bf16 has 8), and 2^-e goes onto that head's latent logits
-        q_amax = tl.maximum(tl.maximum(tl.max(tl.abs(q0.to(tl.float32)), 1), tl.max(tl.abs(q1.to(tl.float32)), 1)),
-                            tl.maximum(tl.max(tl.abs(q2.to(tl.float32)), 1), tl.max(tl.abs(q3.to(tl.float32)), 1)))
-        q_exp = ((q_amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(amax)); -127 for 0
-        q_e = tl.minimum(tl.maximum(14 - q_exp, -126), 126)
-        q_pow = ((q_e + 127) << 23).to(tl.float32, bitcast=True)
-        q_unpow = ((127 - q_e) << 23).to(tl.float32, bitcast=True)
-        # (rounded to float16 in the interpreter too, which then dots in float32)
-        q0 = (q0.to(tl.float32) * q_pow[:, None]).to(tl.float16)
-        q1 = (q1.to(tl.float32) * q_pow[:, None]).to(tl.float16)
-        q2 = (q2.to(tl.float32) * q_pow[:, None]).to(tl.float16)
-        q3 = (q3.to(tl.float32) * q_pow[:, None]).to(tl.float16)
-    q0 = q0.to(lat_dtype)
-    q1 = q1.to(lat_dtype)
-    q2 = q2.to(lat_dtype)
-    q3 = q3.to(lat_dtype)
+    q0 = tl.load(q_base + (0 + d128)[None, :] * stride_q_dim, mask=head_ok[:, None], other=0.0).to(dot_dtype)
+    q1 = tl.load(q_base + (128 + d128)[None, :] * stride_q_dim, mask=head_ok[:, None], other=0.0).to(dot_dtype)
+    q2 = tl.load(q_base + (256 + d128)[None, :] * stride_q_dim, mask=head_ok[:, None], other=0.0).to(dot_dtype)
+    q3 = tl.load(q_base + (384 + d128)[None, :] * stride_q_dim, mask=head_ok[:, None], other=0.0).to(dot_dtype)
     q_rope = tl.load(Q_ROPE + tok * stride_qr_tok + heads.to(tl.int64)[:, None] * stride_qr_head
                      + d_rope[None, :] * stride_qr_dim, mask=head_ok[:, None], other=0.0).to(dot_dtype)
-    if FP8 and not KEYS_F16:
+    if FP8:
         if SCALE_LOGITS:
             # keys arrive as x * 2^-120 (_key_group): q * 2^100 keeps every product q * x * 2^-20
             # a normal float32 and is exact in bf16 for |q| < 2^28; 2^20 goes into the scales
@@ -473,12 +410,6 @@ def _sparse_mla_kernel(
     acc1 = tl.zeros([BLOCK_H, 128], tl.float32)
     acc2 = tl.zeros([BLOCK_H, 128], tl.float32)
     acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
-    # KEYS_F16: acc_g holds the output in units of sc_g, the largest scale of group g seen so
-    # far, so that the float16 probabilities p * scale / sc_g stay at most 1 (2^-126 before any)
-    sc0 = tl.full([], 1.1754943508222875e-38, tl.float32)
-    sc1 = sc0
-    sc2 = sc0
-    sc3 = sc0
 
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, topk)
@@ -504,10 +435,10 @@ def _sparse_mla_kernel(
         row = KV + tl.where(valid, idx, 0).to(tl.int64) * stride_kv_tok  # 64-bit: caches pass 2^31 B
         g0, g1, g2, g3, s0, s1, s2, s3, g_rope = _load_keys(row, valid, FP8, ROPE_E4M3)
 
-        k0 = _key_group(g0, s0, FP8, SCALE_LOGITS, DOT_F32, KEYS_F16)
-        k1 = _key_group(g1, s1, FP8, SCALE_LOGITS, DOT_F32, KEYS_F16)
-        k2 = _key_group(g2, s2, FP8, SCALE_LOGITS, DOT_F32, KEYS_F16)
-        k3 = _key_group(g3, s3, FP8, SCALE_LOGITS, DOT_F32, KEYS_F16)
+        k0 = _key_group(g0, s0, FP8, SCALE_LOGITS, DOT_F32)
+        k1 = _key_group(g1, s1, FP8, SCALE_LOGITS, DOT_F32)
+        k2 = _key_group(g2, s2, FP8, SCALE_LOGITS, DOT_F32)
+        k3 = _key_group(g3, s3, FP8, SCALE_LOGITS, DOT_F32)
         if ROPE_E4M3:
             # e4m3 bytes -> x * 2^-120 in bf16 -> x exactly (times 2^120 in float32); every
             # e4m3 value is a bf16 value
@@ -515,14 +446,7 @@ def _sparse_mla_kernel(
         else:
             k_rope = g_rope.to(dot_dtype)
         logits = tl.dot(q_rope, tl.trans(k_rope))
-        if FP8 and KEYS_F16:
-            # logit = q_rope . k_rope + 2^-e * sum_g scale_g * (q_g 2^e . x_g)
-            lat = tl.dot(q0, tl.trans(k0)) * s0[None, :]
-            lat += tl.dot(q1, tl.trans(k1)) * s1[None, :]
-            lat += tl.dot(q2, tl.trans(k2)) * s2[None, :]
-            lat += tl.dot(q3, tl.trans(k3)) * s3[None, :]
-            logits += lat * q_unpow[:, None]
-        elif FP8 and SCALE_LOGITS:
+        if FP8 and SCALE_LOGITS:
             # logit = q_rope . k_rope + sum_g scale_g * (q_g . x_g): the scales per key and
             # group on the [heads x keys] tile (times 2^20, see q0 above)
             s0 = s0 * 1048576.0
@@ -544,23 +468,7 @@ def _sparse_mla_kernel(
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(logits - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if FP8 and KEYS_F16:
-            # acc_g (in units of sc_g) += sum_n p[n] * (scale_g[n] / sc_g) * x_g[n]; a larger
-            # scale in this tile moves the unit up, and acc_g goes along with alpha
-            # (units are powers of two: no division, and every rescale is exact)
-            sn0, inv0 = _pow2_unit(sc0, s0)
-            sn1, inv1 = _pow2_unit(sc1, s1)
-            sn2, inv2 = _pow2_unit(sc2, s2)
-            sn3, inv3 = _pow2_unit(sc3, s3)
-            acc0 = tl.dot((p * (s0 * inv0)[None, :]).to(tl.float16).to(lat_dtype), k0, acc0 * (alpha * (sc0 * inv0))[:, None])
-            acc1 = tl.dot((p * (s1 * inv1)[None, :]).to(tl.float16).to(lat_dtype), k1, acc1 * (alpha * (sc1 * inv1))[:, None])
-            acc2 = tl.dot((p * (s2 * inv2)[None, :]).to(tl.float16).to(lat_dtype), k2, acc2 * (alpha * (sc2 * inv2))[:, None])
-            acc3 = tl.dot((p * (s3 * inv3)[None, :]).to(tl.float16).to(lat_dtype), k3, acc3 * (alpha * (sc3 * inv3))[:, None])
-            sc0 = sn0
-            sc1 = sn1
-            sc2 = sn2
-            sc3 = sn3
-        elif FP8 and SCALE_LOGITS:
+        if FP8 and SCALE_LOGITS:
             # acc_g += sum_n p[n] * scale_g[n] * 2^100 * x_g[n] * 2^-120: 2^-20 times the
             # output (undone at the end); p times a power of two rounds as p does
             acc0 = tl.dot((p * (s0 * 1.2089258196146292e24)[None, :]).to(dot_dtype), k0, acc0 * alpha[:, None])
@@ -579,7 +487,7 @@ def _sparse_mla_kernel(
     l_safe = tl.where(has_any, l_i, 1.0)
     m_safe = tl.where(has_any, m_i, 0.0)
     inv_l = tl.where(has_any, 1.0 / l_safe, 0.0)[:, None]
-    if FP8 and not KEYS_F16:
+    if FP8:
         # the accumulators hold 2^-20 (SCALE_LOGITS) or 2^-60 times the output
         inv_l = inv_l * (1048576.0 if SCALE_LOGITS else 1.152921504606847e18)
     if ROPE_E4M3:
@@ -590,11 +498,6 @@ def _sparse_mla_kernel(
     out_base = (OUT + tok * stride_out_tok + split * stride_out_split
                 + heads.to(tl.int64)[:, None] * stride_out_head + d128[None, :])
     out_dtype = OUT.dtype.element_ty
-    if FP8 and KEYS_F16:  # acc_g is in units of sc_g
-        acc0 = acc0 * sc0
-        acc1 = acc1 * sc1
-        acc2 = acc2 * sc2
-        acc3 = acc3 * sc3
     tl.store(out_base + 0, (acc0 * inv_l).to(out_dtype), mask=head_ok[:, None])
     tl.store(out_base + 128, (acc1 * inv_l).to(out_dtype), mask=head_ok[:, None])
     tl.store(out_base + 256, (acc2 * inv_l).to(out_dtype), mask=head_ok[:, None])
@@ -655,7 +558,6 @@ class KernelConfig:
     split_round_up: bool = True  # ... rounding the split count up (oversubscribe) or down
     scale_logits: bool = True  # fp8: per-128 scales on the logits / probabilities, else on the keys
     trim_tail: bool = True  # from TRIM_TAIL_MIN_TOKENS query tokens on, end the key loop at the last valid index
-    f16_keys: bool = False  # fp8: latent keys converted to float16 in hardware (scales on logits and probabilities)
 
 
 # The only configs the launcher can choose, by (cache dtype, name). Every one must fit SM120
@@ -672,9 +574,6 @@ CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("fp8", "h16n32-scaled-keys"): KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=5,
                                                 scale_logits=False),
     ("fp8", "h16n32-scaled-logits"): KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=5),
-    # one hardware conversion per two keys' values instead of three integer instructions and a
-    # multiply (KEYS_F16)
-    ("fp8", "h16n32-f16"): KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=5, f16_keys=True),
 }
 # On SM12x every config runs one program per SM (its shared memory), so the kernels may use
 # every register: Triton passes `.maxnreg`, without which ptxas 13.1 (Triton 3.7's) caps some
@@ -748,7 +647,7 @@ def sm120_compile_specs(configs: list[tuple[str, KernelConfig]] | None = None,
             constexprs = {"stride_q_dim": 1, "stride_qr_dim": 1, "stride_idx_k": 1, "BLOCK_H": cfg.block_h,
                           "BLOCK_N": cfg.block_n, "FP8": fp8, "ROPE_E4M3": rope_e4m3, "PARTIAL": partial,
                           "SCALE_LOGITS": cfg.scale_logits,
-                          "DOT_F32": False, "TRIM_TAIL": trim, "KEYS_F16": cfg.f16_keys}
+                          "DOT_F32": False, "TRIM_TAIL": trim}
             aligned = ["Q", "Q_ROPE", "KV", "IDX", "OUT", "LSE", "stride_q_tok", "stride_q_head",
                        "stride_qr_tok", "stride_qr_head",
                        "stride_kv_tok", "stride_out_tok", "stride_out_head"]
@@ -839,7 +738,6 @@ def _run(q: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, stride_kv_tok:
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, FP8=fp8, ROPE_E4M3=kv_scale is not None, PARTIAL=partial,
         SCALE_LOGITS=cfg.scale_logits,
         DOT_F32=interpreted, TRIM_TAIL=cfg.trim_tail and s_q >= TRIM_TAIL_MIN_TOKENS,
-        KEYS_F16=fp8 and cfg.f16_keys,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=_maxnreg(q.device),
     )
     if partial:

@@ -41,13 +41,12 @@ def test_every_config_is_compiled(reports: list[dict]) -> None:
     # fp8 cache: ROPE_E4M3) x {untrimmed, trimmed key loop} where the config trims, and the merge kernel
     assert len(reports) == len(sm120_compile_specs())
     main = [r for r in reports if r["name"] == "_sparse_mla_kernel"]
-    want = {(dtype, c.block_h, c.block_n, c.num_warps, c.num_stages, c.scale_logits, c.f16_keys, plain, partial, trim)
+    want = {(dtype, c.block_h, c.block_n, c.num_warps, c.num_stages, c.scale_logits, plain, partial, trim)
             for (dtype, _), c in CONFIGS.items() for plain in ((False, True) if dtype == "fp8" else (False,))
             for partial in (False, True) for trim in ((False, True) if c.trim_tail else (False,))}
     assert len(main) == len(want)
     seen = {("fp8" if r["constexprs"]["FP8"] else "bf16", r["constexprs"]["BLOCK_H"], r["constexprs"]["BLOCK_N"],
-             r["num_warps"], r["num_stages"], r["constexprs"]["SCALE_LOGITS"], r["constexprs"]["KEYS_F16"],
-             r["constexprs"]["ROPE_E4M3"],
+             r["num_warps"], r["num_stages"], r["constexprs"]["SCALE_LOGITS"], r["constexprs"]["ROPE_E4M3"],
              r["constexprs"]["PARTIAL"], r["constexprs"]["TRIM_TAIL"]) for r in main}
     assert seen == want
     assert any(k[-1] for k in seen) and not all(k[-1] for k in seen)
