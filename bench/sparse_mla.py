@@ -56,20 +56,20 @@ SHAPES = [(1, 8), (1, 16), (1, 64), (8, 8), (8, 16), (8, 64),
           (1024, 8), (4096, 8), (4096, 16), (4096, 32), (4096, 128)]
 CASES = [(kind, s_q, h_q) for kind in ("bf16", "fp8") for s_q, h_q in SHAPES] + [("fp8", 256, 128)]
 
-# --sweep: configs timed beside the launcher's choice (each fits SM120: checked offline with
-# mlafleet.kernels.sm120 before a run), by cache dtype, at the launcher's split rule
-K = sm.KernelConfig
+# --sweep: configs timed beside the launcher's choice, by cache dtype, at the launcher's split
+# rule: every config the launcher has (CONFIGS itself, so a sweep never times a variant of them
+# under their names), plus any experiment added here (each must fit SM120: check it offline
+# with mlafleet.kernels.sm120 before a run)
 CANDIDATES: dict[str, list[sm.KernelConfig]] = {
-    "bf16": [K(16, 32, 4, 5), K(16, 64, 8, 2)],
-    "fp8": [K(16, 32, 4, 5, scale_logits=False), K(16, 32, 4, 5)],
-}
+    dtype: [cfg for (d, _), cfg in sm.CONFIGS.items() if d == dtype] for dtype in ("bf16", "fp8")}
 # --sweep: split counts for every candidate at these (s_q, h_q)
 SPLIT_SWEEP = {(8, 8): (16, 32), (8, 64): (4, 8), (64, 32): (1, 2), (64, 64): (1, 2)}
 
 
 def cfg_name(cfg: sm.KernelConfig, kind: str = "fp8") -> str:
-    """h heads, n keys a step, w warps, s stages; fp8: k = scales on the keys, else on the logits."""
-    extra = "" if kind == "bf16" or cfg.scale_logits else "k"
+    """h heads, n keys a step, w warps, s stages; fp8: k = scales on the keys, else on the logits;
+    u = the untrimmed key loop (no TRIM_TAIL even for prefill batches)."""
+    extra = ("" if kind == "bf16" or cfg.scale_logits else "k") + ("" if cfg.trim_tail else "u")
     return f"h{cfg.block_h}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}{extra}"
 
 
