@@ -57,12 +57,13 @@ def _tiny_image(ref: str, content: str, tmp_path: Path) -> None:
 
 
 def test_a_new_image_drops_the_outdated_tags_of_its_repository(tmp_path: Path):
-    """Old hash-tagged images go (the disk CI ran out of); the kept, latest, others' and in-use ones stay."""
+    """Old hash-tagged images go (the disk CI ran out of); the kept one and `latest` on it, an image
+    a container uses, and other repositories' images stay."""
     lab.ensure_docker()
     repo, other = "mlafleet-test-prune", "mlafleet-test-prune-other"
-    for ref in (f"{repo}:aaaaaaaaaaaa", f"{repo}:bbbbbbbbbbbb", f"{repo}:cccccccccccc", f"{repo}:latest",
-                f"{other}:aaaaaaaaaaaa"):
+    for ref in (f"{repo}:aaaaaaaaaaaa", f"{repo}:bbbbbbbbbbbb", f"{repo}:cccccccccccc", f"{other}:aaaaaaaaaaaa"):
         _tiny_image(ref, ref, tmp_path)
+    lab.sh("docker", "tag", f"{repo}:cccccccccccc", f"{repo}:latest")
     busy = lab.sh("docker", "create", f"{repo}:bbbbbbbbbbbb", "/marker").stdout.strip()
     try:
         removed = lab.drop_other_tags(repo, "cccccccccccc")
@@ -77,24 +78,29 @@ def test_a_new_image_drops_the_outdated_tags_of_its_repository(tmp_path: Path):
 
 
 def test_outdated_images_go_children_first_so_their_layers_are_freed(tmp_path: Path):
-    """An old child (lines) made from an old parent (release) by `docker commit`: both are deleted,
-    not merely untagged, before anything new is built; the current tags stay."""
+    """An old child (lines) made from an old parent (release) by `docker commit`, each also tagged
+    `latest` as the last build left them, and the new image not built yet: both old images are
+    deleted, not merely untagged (their ids are gone); the current tag stays."""
     lab.ensure_docker()
     parent, child = "mlafleet-test-parent", "mlafleet-test-child"
     _tiny_image(f"{parent}:old000000000", "old parent", tmp_path)
     _tiny_image(f"{parent}:new000000000", "new parent", tmp_path)
+    lab.sh("docker", "tag", f"{parent}:old000000000", f"{parent}:latest")
     maker = lab.sh("docker", "create", f"{parent}:old000000000", "/marker").stdout.strip()
     lab.sh("docker", "commit", maker, f"{child}:old000000000")
     lab.sh("docker", "rm", "-f", maker)
-    old_parent_id = lab.sh("docker", "image", "inspect", "-f", "{{.Id}}", f"{parent}:old000000000").stdout.strip()
+    lab.sh("docker", "tag", f"{child}:old000000000", f"{child}:latest")
+    inspect = lambda ref: lab.sh("docker", "image", "inspect", "-f", "{{.Id}}", ref).stdout.strip()  # noqa: E731
+    old_ids = [inspect(f"{parent}:old000000000"), inspect(f"{child}:old000000000")]
     try:
         assert set(lab.current_image_tags()) == {lab.LINES_IMAGE, lab.RELEASE_IMAGE, lab.BASE_IMAGE,
                                                  f"{lab.BASE_IMAGE}-rootfs"}
         assert list(lab.current_image_tags())[:3] == [lab.LINES_IMAGE, lab.RELEASE_IMAGE, lab.BASE_IMAGE]
         lab.drop_outdated_images({child: "new000000000", parent: "new000000000"})
-        assert not lab.image_exists(f"{child}:old000000000")
-        assert not lab.image_exists(old_parent_id)  # the layers are gone, not only the tag
+        assert not any(lab.image_exists(i) for i in old_ids)  # the layers are gone, not only the tags
         assert lab.image_exists(f"{parent}:new000000000")
+        assert not lab.image_exists(f"{parent}:latest") and not lab.image_exists(f"{child}:latest")
     finally:
-        for ref in (f"{child}:old000000000", f"{parent}:old000000000", f"{parent}:new000000000"):
+        for ref in (f"{child}:old000000000", f"{child}:latest", f"{parent}:old000000000", f"{parent}:latest",
+                    f"{parent}:new000000000"):
             lab.sh("docker", "image", "rm", "-f", ref, check=False)

@@ -102,18 +102,22 @@ def image_exists(ref: str) -> bool:
 
 
 def drop_other_tags(repo: str, keep: str) -> list[str]:
-    """Remove every tag of `repo` but `keep` and `latest`; return the tags removed.
+    """Remove every tag of `repo` but `keep` (and `latest` while it names the same image); return
+    the tags removed.
 
     Each image is cached under the hash of its inputs, so every change to a recipe, a lock
     file or a patch set manifest builds a new one beside the old (6-12 GB each): without this
     a controller (and CI, on the machine of the session before it) fills its disk with images
-    no run will use again. An old tag still used by a container (a lab left up) stays, named.
-    Layers shared with the kept image stay; an old parent goes with its last child.
+    no run will use again. `latest` on an outdated image goes too: an image is deleted only with
+    its last tag, and a `latest` moved later would leave it behind, untagged. An old tag still
+    used by a container (a lab left up) stays, named. Layers shared with the kept image stay; an
+    old parent goes with its last child.
     """
-    tags = sh("docker", "image", "ls", repo, "--format", "{{.Tag}}").stdout.split()
+    ids = dict(line.split() for line in
+               sh("docker", "image", "ls", repo, "--format", "{{.Tag}} {{.ID}}").stdout.splitlines())
     removed = []
-    for tag in tags:
-        if tag in (keep, "latest", "<none>"):
+    for tag, image_id in ids.items():
+        if tag in (keep, "<none>") or (tag == "latest" and image_id == ids.get(keep)):
             continue
         out = sh("docker", "image", "rm", f"{repo}:{tag}", check=False)
         if out.returncode == 0:
