@@ -163,17 +163,9 @@ def row_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def all_configs() -> list[tuple[str, sm.KernelConfig]]:
-    seen, out = set(), []
-    for (dtype, _), cfg in sm.CONFIGS.items():
-        if (dtype, cfg) not in seen:
-            seen.add((dtype, cfg))
-            out.append((dtype, cfg))
-    for dtype, cfgs in CANDIDATES.items():
-        for cfg in cfgs:
-            if (dtype, cfg) not in seen:
-                seen.add((dtype, cfg))
-                out.append((dtype, cfg))
-    return out
+    """Every (cache dtype, config) the checks force: CANDIDATES (the launcher's CONFIGS and any
+    experiment), each once."""
+    return list(dict.fromkeys((dtype, cfg) for dtype, cfgs in CANDIDATES.items() for cfg in cfgs))
 
 
 def correctness(fm, before, kv: torch.Tensor, cache: torch.Tensor, gen: torch.Generator) -> list[dict]:
