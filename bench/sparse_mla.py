@@ -68,8 +68,9 @@ SPLIT_SWEEP = {(8, 8): (16, 32), (8, 64): (4, 8), (64, 32): (1, 2), (64, 64): (1
 
 def cfg_name(cfg: sm.KernelConfig, kind: str = "fp8") -> str:
     """h heads, n keys a step, w warps, s stages; fp8: k = scales on the keys, else on the logits;
-    u = the untrimmed key loop (no TRIM_TAIL even for prefill batches)."""
-    extra = ("" if kind == "bf16" or cfg.scale_logits else "k") + ("" if cfg.trim_tail else "u")
+    u = the untrimmed key loop (no TRIM_TAIL even for prefill batches); z = the lazy rescale."""
+    extra = (("" if kind == "bf16" or cfg.scale_logits else "k") + ("" if cfg.trim_tail else "u")
+             + ("z" if cfg.lazy_rescale else ""))
     return f"h{cfg.block_h}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}{extra}"
 
 

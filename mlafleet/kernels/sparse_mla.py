@@ -362,6 +362,7 @@ def _sparse_mla_kernel(
     SCALE_LOGITS: tl.constexpr,  # fp8: scale the logits and probabilities, not the keys
     DOT_F32: tl.constexpr,  # interpreter: bf16 tl.dot is wrong there, so dot in float32
     TRIM_TAIL: tl.constexpr,  # first find the split's last valid index, stop the key loop there
+    LAZY_RESCALE: tl.constexpr = False,  # move the softmax's reference max only when it grows by 2^8
 ):
     # The 512 latent dims are handled as 4 groups of 128 (the fp8 scale groups): 4 key tiles,
     # 4 query tiles, 4 accumulators. The 64 RoPE dims only enter the logits.
@@ -463,24 +464,48 @@ def _sparse_mla_kernel(
             logits = tl.dot(q2, tl.trans(k2), logits)
             logits = tl.dot(q3, tl.trans(k3), logits)
         logits = tl.where(valid[None, :], logits * qk_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(logits, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet: avoid inf - inf
-        alpha = tl.exp2(m_i - m_ref)
+        if LAZY_RESCALE:
+            # The reference max m_i moves (and the accumulators are rescaled) only in a tile
+            # where some row's max passes it by more than 8 (base 2): otherwise the tile's
+            # probabilities stay at most 2^8 relative to it, exact in float32 and as precise
+            # in bfloat16, and the [heads x 512] rescale is skipped.
+            m_tile = tl.max(logits, 1)
+            if tl.max((m_tile > m_i + 8.0).to(tl.int32), 0) > 0:
+                m_up = tl.maximum(m_i, m_tile)
+                alpha = tl.where(m_i == float("-inf"), 1.0, tl.exp2(m_i - m_up))  # empty so far: acc is 0
+                l_i = l_i * alpha
+                acc0 = acc0 * alpha[:, None]
+                acc1 = acc1 * alpha[:, None]
+                acc2 = acc2 * alpha[:, None]
+                acc3 = acc3 * alpha[:, None]
+                m_i = m_up
+            m_new = m_i
+            m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)
+        else:
+            m_new = tl.maximum(m_i, tl.max(logits, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet: avoid inf - inf
+            alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(logits - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        if not LAZY_RESCALE:  # (lazily: rescaled above, in the tiles that moved m_i)
+            l_i = l_i * alpha
+            acc0 = acc0 * alpha[:, None]
+            acc1 = acc1 * alpha[:, None]
+            acc2 = acc2 * alpha[:, None]
+            acc3 = acc3 * alpha[:, None]
+        l_i = l_i + tl.sum(p, 1)
         if FP8 and SCALE_LOGITS:
             # acc_g += sum_n p[n] * scale_g[n] * 2^100 * x_g[n] * 2^-120: 2^-20 times the
             # output (undone at the end); p times a power of two rounds as p does
-            acc0 = tl.dot((p * (s0 * 1.2089258196146292e24)[None, :]).to(dot_dtype), k0, acc0 * alpha[:, None])
-            acc1 = tl.dot((p * (s1 * 1.2089258196146292e24)[None, :]).to(dot_dtype), k1, acc1 * alpha[:, None])
-            acc2 = tl.dot((p * (s2 * 1.2089258196146292e24)[None, :]).to(dot_dtype), k2, acc2 * alpha[:, None])
-            acc3 = tl.dot((p * (s3 * 1.2089258196146292e24)[None, :]).to(dot_dtype), k3, acc3 * alpha[:, None])
+            acc0 = tl.dot((p * (s0 * 1.2089258196146292e24)[None, :]).to(dot_dtype), k0, acc0)
+            acc1 = tl.dot((p * (s1 * 1.2089258196146292e24)[None, :]).to(dot_dtype), k1, acc1)
+            acc2 = tl.dot((p * (s2 * 1.2089258196146292e24)[None, :]).to(dot_dtype), k2, acc2)
+            acc3 = tl.dot((p * (s3 * 1.2089258196146292e24)[None, :]).to(dot_dtype), k3, acc3)
         else:
             p = p.to(dot_dtype)
-            acc0 = tl.dot(p, k0, acc0 * alpha[:, None])
-            acc1 = tl.dot(p, k1, acc1 * alpha[:, None])
-            acc2 = tl.dot(p, k2, acc2 * alpha[:, None])
-            acc3 = tl.dot(p, k3, acc3 * alpha[:, None])
+            acc0 = tl.dot(p, k0, acc0)
+            acc1 = tl.dot(p, k1, acc1)
+            acc2 = tl.dot(p, k2, acc2)
+            acc3 = tl.dot(p, k3, acc3)
         m_i = m_new
 
     has_any = l_i > 0.0
@@ -558,6 +583,11 @@ class KernelConfig:
     split_round_up: bool = True  # ... rounding the split count up (oversubscribe) or down
     scale_logits: bool = True  # fp8: per-128 scales on the logits / probabilities, else on the keys
     trim_tail: bool = True  # from TRIM_TAIL_MIN_TOKENS query tokens on, end the key loop at the last valid index
+    lazy_rescale: bool = False  # move the softmax's reference max only when a row's max grows by 2^8
+    # Triton's `maxnreg` on SM12x: 255 lets ptxas 13.1 use every register where it would otherwise
+    # cap a kernel at an occupancy step it cannot reach and spill; None leaves ptxas its own choice
+    # (the 64-key 4-warp bf16 kernel spills 40 bytes with any `.maxnreg`, none at 187 registers without)
+    sm12x_maxnreg: int | None = 255
 
 
 # The only configs the launcher can choose, by (cache dtype, name). Every one must fit SM120
@@ -567,19 +597,20 @@ class KernelConfig:
 # pipeliner two buffers of gathered keys in flight (2-4 stages: one).
 CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("bf16", "h16n32"): KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=5),
-    # 64 keys a step over 8 warps: fewer instructions per key where the gathers are not the
-    # limit (32 heads and more)
-    # (no trimmed loop: with it 4096 x 32 ran 1.50x slower on full rows, 0.92x on prompt rows)
-    ("bf16", "h16n64"): KernelConfig(block_h=16, block_n=64, num_warps=8, num_stages=2, trim_tail=False),
+    # 64 keys a step over 4 warps with the lazy rescale: fewer instructions per key where the
+    # gathers are not the limit (32 heads and more; each warp's q operand then serves 16 keys, not
+    # 8). H200: 0.85-0.90x of the 8-warp 64-key config at 32-128 heads (docs/perf-kernels.md, fifth pass)
+    # (no trimmed loop: with it the 8-warp config ran 4096 x 32 1.50x slower on full rows)
+    ("bf16", "h16n64"): KernelConfig(block_h=16, block_n=64, num_warps=4, num_stages=2, trim_tail=False,
+                                     lazy_rescale=True, sm12x_maxnreg=None),
     ("fp8", "h16n32-scaled-keys"): KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=5,
                                                 scale_logits=False),
     ("fp8", "h16n32-scaled-logits"): KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=5),
 }
 # On SM12x every config runs one program per SM (its shared memory), so the kernels may use
-# every register: Triton passes `.maxnreg`, without which ptxas 13.1 (Triton 3.7's) caps some
-# configs at an occupancy step they cannot reach anyway and spills. Elsewhere (Hopper, where
-# two programs share an SM) ptxas keeps its own choice.
-SM12X_MAXNREG = 255
+# every register: Triton passes `.maxnreg` (the config's sm12x_maxnreg), without which ptxas 13.1
+# (Triton 3.7's) caps some configs at an occupancy step they cannot reach anyway and spills.
+# Elsewhere (Hopper, where two programs share an SM) ptxas keeps its own choice.
 MAX_SPLITS = 64  # the merge kernel holds all splits of a row in one tile
 MERGE_NUM_WARPS = 4
 DEFAULT_NUM_SMS = 132  # used where no CUDA device answers (the interpreter)
@@ -595,7 +626,7 @@ TRIM_TAIL_MIN_TOKENS = 64
 
 def choose_config(h_q: int, fp8: bool = False) -> KernelConfig:
     """The config for h_q heads. bf16: 32 keys a step up to 16 heads (one head block: the
-    gathers are the limit), 64 keys over 8 warps beyond. fp8_ds_mla: the per-128 scales on
+    gathers are the limit), 64 keys over 4 warps beyond. fp8_ds_mla: the per-128 scales on
     the keys up to 16 heads, on the logits and probabilities beyond (H200, docs/perf-kernels.md)."""
     if fp8:
         return CONFIGS[("fp8", "h16n32-scaled-keys" if h_q <= 16 else "h16n32-scaled-logits")]
@@ -647,13 +678,13 @@ def sm120_compile_specs(configs: list[tuple[str, KernelConfig]] | None = None,
             constexprs = {"stride_q_dim": 1, "stride_qr_dim": 1, "stride_idx_k": 1, "BLOCK_H": cfg.block_h,
                           "BLOCK_N": cfg.block_n, "FP8": fp8, "ROPE_E4M3": rope_e4m3, "PARTIAL": partial,
                           "SCALE_LOGITS": cfg.scale_logits,
-                          "DOT_F32": False, "TRIM_TAIL": trim}
+                          "DOT_F32": False, "TRIM_TAIL": trim, "LAZY_RESCALE": cfg.lazy_rescale}
             aligned = ["Q", "Q_ROPE", "KV", "IDX", "OUT", "LSE", "stride_q_tok", "stride_q_head",
                        "stride_qr_tok", "stride_qr_head",
                        "stride_kv_tok", "stride_out_tok", "stride_out_head"]
             specs.append({"fn": _sparse_mla_kernel, "signature": signature, "constexprs": constexprs,
                           "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "aligned": aligned,
-                          "maxnreg": SM12X_MAXNREG})
+                          "maxnreg": cfg.sm12x_maxnreg})
     merge_sig = {"PART_OUT": "*fp32", "stride_po_tok": "i32", "stride_po_split": "i32",
                  "stride_po_head": "i32", "PART_LSE": "*fp32", "stride_pl_tok": "i32",
                  "stride_pl_split": "i32", "stride_pl_head": "i32", "OUT": "*bf16",
@@ -667,15 +698,16 @@ def sm120_compile_specs(configs: list[tuple[str, KernelConfig]] | None = None,
 
 
 @functools.cache
-def _maxnreg_on(device_index: int) -> int | None:
-    return SM12X_MAXNREG if torch.cuda.get_device_capability(device_index)[0] == 12 else None
+def _is_sm12x(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 12
 
 
-def _maxnreg(device: torch.device) -> int | None:
-    """Triton's `maxnreg` for launches on `device`: SM12X_MAXNREG on compute capability 12.x."""
+def _maxnreg(device: torch.device, cfg: KernelConfig) -> int | None:
+    """Triton's `maxnreg` for cfg's launches on `device`: its sm12x_maxnreg on compute capability 12.x."""
     if device.type != "cuda":
         return None
-    return _maxnreg_on(device.index if device.index is not None else torch.cuda.current_device())
+    return cfg.sm12x_maxnreg if _is_sm12x(device.index if device.index is not None
+                                           else torch.cuda.current_device()) else None
 
 
 def _interpreted() -> bool:
@@ -737,8 +769,8 @@ def _run(q: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, stride_kv_tok:
         kv_scale if kv_scale is not None else lse,  # read only for a plain fp8 cache
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, FP8=fp8, ROPE_E4M3=kv_scale is not None, PARTIAL=partial,
         SCALE_LOGITS=cfg.scale_logits,
-        DOT_F32=interpreted, TRIM_TAIL=cfg.trim_tail and s_q >= TRIM_TAIL_MIN_TOKENS,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=_maxnreg(q.device),
+        DOT_F32=interpreted, TRIM_TAIL=cfg.trim_tail and s_q >= TRIM_TAIL_MIN_TOKENS, LAZY_RESCALE=cfg.lazy_rescale,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=_maxnreg(q.device, cfg),
     )
     if partial:
         _merge_splits_kernel[(s_q * h_q * 4,)](

@@ -386,10 +386,12 @@ def test_launcher_choices() -> None:
     for h_q in range(1, 257):
         for fp8 in (False, True):
             assert choose_config(h_q, fp8) in CONFIGS.values()
-    # bf16: 32 keys a step up to 16 heads, 64 over 8 warps beyond; fp8: scales on the keys up
-    # to 16 heads, on the logits beyond
+    # bf16: 32 keys a step up to 16 heads, 64 over 4 warps with the lazy rescale beyond (and
+    # ptxas's own register choice on SM12x); fp8: scales on the keys up to 16 heads, on the logits beyond
     assert choose_config(16).block_n == 32 and choose_config(17).block_n == 64
-    assert choose_config(64).num_warps == 8
+    wide = choose_config(64)
+    assert wide.num_warps == 4 and wide.lazy_rescale and wide.sm12x_maxnreg is None
+    assert not choose_config(16).lazy_rescale and choose_config(16).sm12x_maxnreg == 255
     assert not choose_config(16, fp8=True).scale_logits and choose_config(32, fp8=True).scale_logits
     # decode at batch 1 on 132 SMs: split topk 2048 into many programs; prefill: no split
     assert choose_num_splits(1, 1, 2048, 32, 132) == 32  # at least 64 keys per split
@@ -456,3 +458,35 @@ def test_plain_fp8_all_invalid_and_bad_inputs(gen: torch.Generator) -> None:
         sparse_mla_fwd_fp8_e4m3(q, torch.zeros(64, 1, 576, dtype=torch.bfloat16), idx, SCALE, 1.0)
     with pytest.raises(ValueError, match="one value"):
         sparse_mla_fwd_fp8_e4m3(q, cache, idx, SCALE, torch.ones(2))
+
+
+@pytest.mark.parametrize("key", sorted(CONFIGS))
+def test_lazy_rescale(gen: torch.Generator, key: tuple[str, str]) -> None:
+    # LAZY_RESCALE moves the reference max only when a row's max passes it by 2^8: logits whose
+    # max grows slowly along the row (within 2^8: no rescale), in jumps (rescales), a first tile
+    # with nothing valid, and large logits; against the reference, unsplit and split
+    import dataclasses
+    dtype, _ = key
+    cfg = dataclasses.replace(CONFIGS[key], lazy_rescale=True)
+    s_kv, topk = 512, 200
+    idx = random_indices(gen, 3, topk, s_kv)
+    idx[:, 0, :40] = -1
+    kv = make_cache(gen, s_kv, idx).float()
+    # the key named at position j grows with j: the logits' max rises tile by tile
+    pos = torch.arange(topk, dtype=torch.float32)
+    growth = torch.stack([1 + pos / 50, 1 + (pos // 64) * 3, 1 + pos / 400])  # [3 tokens, topk]
+    for t in range(3):
+        named = idx[t, 0].long()
+        ok = named >= 0
+        kv[named[ok], 0] = kv[named[ok], 0] * growth[t, ok][:, None]
+    kv = kv.bfloat16()
+    q = (torch.randn(3, 16, 576, generator=gen) * 4).bfloat16()
+    for num_splits in (1, 3):
+        if dtype == "bf16":
+            ref = reference_sparse_mla(q, kv, idx, SCALE)
+            check(*sparse_mla_fwd(q, kv, idx, SCALE, num_splits=num_splits, config=cfg), *ref)
+        else:
+            cache = make_fp8_cache(kv, idx)
+            ref = reference_sparse_mla_fp8(q, cache, idx, SCALE)
+            check(*sparse_mla_fwd_fp8(q, cache, idx, SCALE, num_splits=num_splits, config=cfg), *ref)
+    assert ref[1].max() - ref[1].min() > 20  # the rows' scales differ widely
