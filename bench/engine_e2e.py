@@ -15,7 +15,8 @@ from its 3 GGUF shards through the patch set's glm-dsa loader. Prompts are token
 2. Throughput at batch 1 and 32 (3000-token prompts, prefix caching off): the same batch once
    with 1 output token (prefill) and once with 65 (ignore_eos); decode tok/s = batch x 64 /
    (t65 - t1), output tok/s = batch x 65 / t65. Each batch size gets an untimed pass at the timed
-   shapes first (kernels compile per shape on first use); each timing is the faster of two.
+   shapes first (kernels compile per shape on first use); each timing is the fastest of two
+   (--repeats N: of N).
    The engine runs eagerly unless --graphs (vLLM's default torch.compile + CUDA graphs), the same for every backend.
 
 3. With --profile DIR, a profile of the decode steps at batch 32 (3000-token prompts): vLLM's
@@ -125,9 +126,9 @@ def run(args: argparse.Namespace) -> None:
 
         timed(DECODE_TOKENS + 1, 99)
         compiled_before = _triton_cache_entries()
-        runs1 = [timed(1, 1000 + batch + r) for r in range(2)]
-        runs65 = [timed(DECODE_TOKENS + 1, 2000 + batch + r) for r in range(2)]
-        runs1.append(timed(1, 1002 + batch))  # once more after the 65-token runs: order effects show
+        runs1 = [timed(1, 1000 + batch + r) for r in range(args.repeats)]
+        runs65 = [timed(DECODE_TOKENS + 1, 2000 + batch + r) for r in range(args.repeats)]
+        runs1.append(timed(1, 1000 + args.repeats + batch))  # once more after the 65-token runs: order effects show
         t1, t65 = min(runs1), min(runs65)
         result["throughput"].append({
             "batch": batch, "prefill_s": round(t1, 3), "total_s": round(t65, 3),
@@ -363,6 +364,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--graphs", action="store_true", help="vLLM's default compilation and CUDA graphs "
                         "instead of eager mode")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per batch and length (the fastest counts)")
     parser.add_argument("--chunk", type=int, help="max_num_batched_tokens (prefill chunking; default vLLM's)")
     parser.add_argument("--profile", metavar="DIR", help="after the measurements, profile decode steps at batch "
                         f"{PROFILE_BATCH} with vLLM's torch profiler, traces in DIR")

@@ -19,6 +19,9 @@
 #                                          top-k (SM120's choice on 0.32.0), then the prefill steps of
 #                                          the batch profiled (--profile-phase prefill); resumable
 #   bench/engine_gpu.sh heads8-prefill OUT_DIR   only heads8-round's prefill profiles (bf16, then fp8_ds_mla)
+#   bench/engine_gpu.sh heads8-deep OUT_DIR   8 heads, compiled + CUDA graphs, ours (vLLM's own top-k, SM120's
+#                                          default on 0.32.0) and the reference, bf16 and fp8_ds_mla, on a
+#                                          16-layer variant and on the 2-layer model, 3 timed runs each; resumable
 #   bench/engine_gpu.sh heads8-graphs-fp8|heads8-graphs-bf16 OUT_DIR   8 heads, compiled + CUDA
 #                                          graphs, one GPU (the issue-16 regime); -fp8-mixed after
 #                                          -fp8: the two mixed pairs in that regime
@@ -88,6 +91,10 @@ t = time.time()
 paths = write_tiny_glm5(f"{sys.argv[1]}/tiny-glm5", gguf_shards=3, gguf_type="Q8_0", seed=0)
 eight = dict(load_config(), num_attention_heads=8, num_key_value_heads=8)
 write_tiny_glm5(f"{sys.argv[1]}/tiny-glm5-8heads", gguf_shards=0, seed=0, config=eight)
+# the same 8 heads over 16 layers (GLM-5 has 78): a decode step's GPU work then outweighs the host's
+deep = dict(eight, num_hidden_layers=16, mlp_layer_types=["dense"] + ["sparse"] * 15,
+            indexer_types=["full"] * 16, layer_types=["deepseek_sparse_attention"] * 16)
+write_tiny_glm5(f"{sys.argv[1]}/tiny-glm5-8heads-16layers", gguf_shards=0, seed=0, config=deep)
 print("written in %.0f s:" % (time.time() - t), [p.name for p in paths["gguf"]], paths["safetensors"].stat().st_size)
 PY
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
@@ -146,7 +153,7 @@ prefill_profiles() {
   done
 }
 
-m=$models/tiny-glm5 m8=$models/tiny-glm5-8heads
+m=$models/tiny-glm5 m8=$models/tiny-glm5-8heads m8deep=$models/tiny-glm5-8heads-16layers
 ref="--backend FLASHMLA_SPARSE --indexer deepgemm" ours="--backend TRITON_MLA_SPARSE --indexer fallback"
 # a machine that was given back and started afresh has no /tmp/e2e: say so, not a later phase's error
 [ "${1:-}" = setup ] || [ -x "$venv/bin/python" ] || [ -z "${1:-}" ] ||
@@ -266,6 +273,19 @@ PY
     prefill_profiles
     finish heads8-round "$2" ref8prof-auto ours8prof-auto ours8vtopk-auto ref8prof-fp8_ds_mla ours8prof-fp8_ds_mla \
       ours8vtopk-fp8_ds_mla ref8pre-auto ours8pre-auto ref8pre-fp8_ds_mla ours8pre-fp8_ds_mla ;;
+  heads8-deep)  # issue 16's regime, 16 layers and the 2-layer model, ours with vLLM's own top-k (SM120's
+    # default on 0.32.0), three timed runs each; resumable
+    export RUN_TIMEOUT=400 LOGS="$2"
+    for kv in auto fp8_ds_mla; do
+      step "ours8deep-$kv" --model "$m8deep" $ours --topk vllm --graphs --kv $kv --repeats 3
+      step "ref8deep-$kv" --model "$m8deep" $ref --graphs --kv $kv --repeats 3
+    done
+    for kv in auto fp8_ds_mla; do
+      step "ours8two-$kv" --model "$m8" $ours --topk vllm --graphs --kv $kv --repeats 3
+      step "ref8two-$kv" --model "$m8" $ref --graphs --kv $kv --repeats 3
+    done
+    finish heads8-deep "$2" ref8deep-auto ours8deep-auto ref8deep-fp8_ds_mla ours8deep-fp8_ds_mla \
+      ref8two-auto ours8two-auto ref8two-fp8_ds_mla ours8two-fp8_ds_mla ;;
   heads8-prefill)  # heads8-round's prefill profiles alone (bf16 first); resumable
     export RUN_TIMEOUT=400 LOGS="$2"
     prefill_profiles
@@ -290,5 +310,5 @@ PY
       one "${spec%%:*}" 0,1 --model $m --tp 2 ${spec#*:}
     done
     finish tp2 "$2" reftp2-bf16 reftp2-fp8 ourstp2-bf16 ourstp2-fp8 ;;
-  *) echo "usage: $0 setup PARTS_DIR [--no-models] | line|serve|single|heads8|heads8-profile|heads8-round|heads8-prefill|heads8-graphs-fp8|heads8-graphs-bf16|heads8-graphs-fp8-mixed|control|graphs|graphs-fp8|fp8-alias|tp2|tp2-graphs OUT_DIR | vllm-tests OUT_DIR [FIRST] [SHARDS]" >&2; exit 2 ;;
+  *) echo "usage: $0 setup PARTS_DIR [--no-models] | line|serve|single|heads8|heads8-profile|heads8-round|heads8-prefill|heads8-deep|heads8-graphs-fp8|heads8-graphs-bf16|heads8-graphs-fp8-mixed|control|graphs|graphs-fp8|fp8-alias|tp2|tp2-graphs OUT_DIR | vllm-tests OUT_DIR [FIRST] [SHARDS]" >&2; exit 2 ;;
 esac
