@@ -91,7 +91,8 @@ def run(args: argparse.Namespace) -> None:
               **({"profiler_config": _profiler_config(args.profile, args.profile_phase)} if args.profile else {}))
     result = {"backend": args.backend, "kv_cache_dtype": args.kv, "indexer": args.indexer,
               "topk": args.topk if args.indexer == "fallback" else "vllm", "weights": "gguf" if args.gguf else "safetensors",
-              "tp": args.tp, "heads": config["num_attention_heads"], "chunk": args.chunk, "graphs": args.graphs, "engine_start_s": round(time.perf_counter() - start, 1)}
+              "tp": args.tp, "heads": config["num_attention_heads"], "layers": config["num_hidden_layers"],
+              "chunk": args.chunk, "graphs": args.graphs, "engine_start_s": round(time.perf_counter() - start, 1)}
 
     greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True, logprobs=2,
                             prompt_logprobs=0, detokenize=False)
@@ -283,6 +284,7 @@ def _label(r: dict) -> str:
     backend = "vLLM's own choice" if r["backend"] == "auto" else r["backend"]
     return (f"{backend} + {'DeepGEMM' if r['indexer'] == 'deepgemm' else 'DeepGEMM-free (' + r['topk'] + ' top-k)'}"
             f" indexer, {r['kv_cache_dtype']}, {r['weights']}, TP{r['tp']}, {r['heads']} heads"
+            + (f", {r['layers']} layers" if r.get("layers", 2) != 2 else "")
             + (f", prefill chunks of {r['chunk']} tokens" if r.get("chunk") else "")
             + (", compiled + CUDA graphs" if r.get("graphs") else ", eager"))
 
@@ -326,7 +328,9 @@ def compare(paths: list[str]) -> None:
             and not r.get("chunk")]
     for run in runs:
         for ref in refs:
-            same = all(run.get(k) == ref.get(k) for k in ("kv_cache_dtype", "weights", "tp", "heads", "graphs"))
+            same = all(run.get(k, d) == ref.get(k, d) for k, d in (("kv_cache_dtype", None), ("weights", None),
+                                                                    ("tp", None), ("heads", None),
+                                                                    ("graphs", None), ("layers", 2)))
             if run is ref or not same:
                 continue
             for row in _pair(ref, run):

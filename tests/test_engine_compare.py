@@ -82,6 +82,19 @@ def test_compare_pairs_runs_with_their_own_reference_only(e2e, tmp_path, capsys)
     assert out.count("| 300000 |") == 5  # one throughput row per run
 
 
+def test_compare_pairs_runs_of_one_model_depth_only(e2e, tmp_path, capsys):
+    # heads8-deep: the same 8 heads over 16 layers and over the usual 2 (older runs name no depth:
+    # 2); a 16-layer run is compared with the 16-layer reference only, and its label says so
+    deep_ref, deep = _run(), _run("TRITON_MLA_SPARSE", "fallback")
+    deep_ref["layers"] = deep["layers"] = 16
+    runs = {"ref": _run(), "ours": _run("TRITON_MLA_SPARSE", "fallback"), "ref16": deep_ref, "ours16": deep}
+    e2e.compare(_written(tmp_path, runs))
+    pairs = [line.split("|") for line in capsys.readouterr().out.splitlines()
+             if line.startswith("| FLASHMLA_SPARSE + DeepGEMM indexer") and "| 3000 |" in line]
+    assert len(pairs) == 2
+    assert sorted(("16 layers" in p[1], "16 layers" in p[2]) for p in pairs) == [(False, False), (True, True)]
+
+
 def test_vllms_own_backend_choice_is_a_reference_too(e2e, tmp_path, capsys):
     # 0.32.0 on SM90: the reference names no backend (--backend auto), vLLM picks its own
     runs = {"auto": _run("auto"), "ours": _run("TRITON_MLA_SPARSE", "fallback"),
