@@ -599,7 +599,7 @@ CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("bf16", "h16n32"): KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=5),
     # 64 keys a step over 4 warps with the lazy rescale: fewer instructions per key where the
     # gathers are not the limit (32 heads and more; each warp's q operand then serves 16 keys, not
-    # 8). H200: 0.85-0.90x of the 8-warp 64-key config at 32-128 heads (docs/perf-kernels.md, fifth pass)
+    # 8). H200: 0.86-0.91x of the 8-warp 64-key config at 32-128 heads (docs/perf-kernels.md, fifth pass)
     # (no trimmed loop: with it the 8-warp config ran 4096 x 32 1.50x slower on full rows)
     ("bf16", "h16n64"): KernelConfig(block_h=16, block_n=64, num_warps=4, num_stages=2, trim_tail=False,
                                      lazy_rescale=True, sm12x_maxnreg=None),
