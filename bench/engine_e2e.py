@@ -19,10 +19,11 @@ from its 3 GGUF shards through the patch set's glm-dsa loader. Prompts are token
    (--repeats N: of N).
    The engine runs eagerly unless --graphs (vLLM's default torch.compile + CUDA graphs), the same for every backend.
 
-3. With --profile DIR, a profile of the decode steps at batch 32 (3000-token prompts): vLLM's
-   own torch profiler in the engine's worker, started PROFILE_DELAY engine steps into the batch
-   (past its prefill chunks) for PROFILE_STEPS steps; the GPU kernels' time per step, by kernel,
-   from the trace it writes to DIR (`compare` prints the runs' profiles side by side). With
+3. With --profile DIR, a profile of the decode steps at batch 32 (--profile-batch N: N; 3000-token
+   prompts): vLLM's own torch profiler in the engine's worker, started PROFILE_DELAY engine steps
+   into the batch (past its prefill chunks) for PROFILE_STEPS steps; the GPU kernels' time per
+   step, by kernel, and the host's side (step interval, the worker's phases, CUDA API calls), from
+   the trace it writes to DIR (`compare` prints the runs' profiles side by side). With
    --profile-phase prefill instead: the same batch with one output token, every step of it
    profiled (its prefill chunks), the kernels' time per step and in all (`prefill_profile`).
 
@@ -59,6 +60,8 @@ PREFILL_PROFILE_STEPS = 64  # more than a batch's prefill steps; the profile sto
 FORWARD_SCOPE = "gpu_model_runner: forward"
 STEP_SCOPE_PREFIX = "execute_context_"
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_SCOPE_PREFIX = "gpu_model_runner: "  # the worker's host-side phases of a step (preprocess, forward, ...)
+RUNTIME_CATEGORIES = ("cuda_runtime", "cuda_driver")  # the host's CUDA API calls (launches, copies, syncs)
 
 
 def _prompts(lengths: list[int], seed: int, vocab: int) -> list:
@@ -143,7 +146,7 @@ def run(args: argparse.Namespace) -> None:
     print(json.dumps({k: v for k, v in result.items() if k != "requests"}), flush=True)
     if args.profile:
         key = f"{args.profile_phase}_profile"
-        prompts = _prompts([THROUGHPUT_PROMPT] * PROFILE_BATCH, 3000, vocab)
+        prompts = _prompts([THROUGHPUT_PROMPT] * args.profile_batch, 3000, vocab)
         n_out = 1 if args.profile_phase == "prefill" else PROFILE_DELAY + PROFILE_STEPS + 8
         params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True, detokenize=False)
         before = set(_traces(args.profile))
@@ -157,6 +160,7 @@ def run(args: argparse.Namespace) -> None:
             raise SystemExit(f"--profile: no trace written to {args.profile}")
         result[key] = profile_summary(written[-1])
         result[key]["trace"] = os.path.basename(written[-1])
+        result[key]["batch"] = args.profile_batch
         if args.profile_phase == "prefill":  # the batch's wall time, profiler on (its overhead included)
             result[key]["batch_wall_s"] = round(elapsed, 3)
         scheduler = getattr(getattr(llm.llm_engine, "vllm_config", None), "scheduler_config", None)
@@ -200,21 +204,33 @@ def _kernel_name(name: str) -> str:
 
 
 def profile_summary(path: str, top: int = 30) -> dict:
-    """GPU time per engine step, by kernel, from one torch profiler trace (Chrome trace JSON, gzip or not).
+    """GPU time per engine step, by kernel, and the host's side of a step, from one torch profiler
+    trace (Chrome trace JSON, gzip or not).
 
     Steps are counted by vLLM's step scopes (FORWARD_SCOPE, else STEP_SCOPE_PREFIX); GPU busy is the sum of kernel, copy and set
     durations; span is from the first GPU activity's start to the last one's end (the gaps in
-    it are time the GPU waited for the host)."""
+    it are time the GPU waited for the host). The host: the step interval (from one step
+    scope's start to the next one's, the wall time of a step as the worker sees it), the time
+    per step in each of the worker's phases (HOST_SCOPE_PREFIX scopes), and the CUDA API calls
+    per step by name (a synchronising call there is where the host waits for the GPU)."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as handle:
         events = json.load(handle)["traceEvents"]
-    scopes = [e.get("name", "") for e in events if e.get("cat") == "user_annotation"]
+    annotations = [e for e in events if e.get("cat") == "user_annotation" and e.get("ph") == "X"]
+    scopes = [e.get("name", "") for e in annotations]
     steps = scopes.count(FORWARD_SCOPE) or sum(n.startswith(STEP_SCOPE_PREFIX) for n in scopes)
     batches = sorted({n for n in scopes if n.startswith(STEP_SCOPE_PREFIX)})
     by_name: dict[str, list[float]] = {}
+    runtime: dict[str, list[float]] = {}
     start, end = float("inf"), float("-inf")
     for e in events:
-        if e.get("cat") not in GPU_CATEGORIES or e.get("ph") != "X":
+        if e.get("ph") != "X":
+            continue
+        if e.get("cat") in RUNTIME_CATEGORIES:
+            total = runtime.setdefault(e.get("name", "?"), [0.0, 0])
+            total[0] += e.get("dur", 0.0)
+            total[1] += 1
+        if e.get("cat") not in GPU_CATEGORIES:
             continue
         total = by_name.setdefault(_kernel_name(e["name"]), [0.0, 0])
         total[0] += e.get("dur", 0.0)
@@ -225,10 +241,24 @@ def profile_summary(path: str, top: int = 30) -> dict:
                          f"{len(by_name)} GPU activities: not a profile of engine steps")
     busy = sum(t for t, _ in by_name.values())
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
+    step_name = FORWARD_SCOPE if scopes.count(FORWARD_SCOPE) else None
+    starts = sorted(e["ts"] for e in annotations
+                    if (e["name"] == step_name if step_name else e["name"].startswith(STEP_SCOPE_PREFIX)))
+    phases: dict[str, float] = {}
+    for e in annotations:
+        if e["name"].startswith(HOST_SCOPE_PREFIX):
+            phase = e["name"][len(HOST_SCOPE_PREFIX):]
+            phases[phase] = phases.get(phase, 0.0) + e.get("dur", 0.0)
+    calls = sorted(runtime.items(), key=lambda kv: -kv[1][0])
     return {"steps": steps, "step_scopes": batches, "gpu_busy_us_per_step": round(busy / steps, 1),
             "span_us_per_step": round((end - start) / steps, 1),
             "kernels": [{"name": n, "us_per_step": round(t / steps, 2), "calls_per_step": round(c / steps, 2)}
-                        for n, (t, c) in ranked[:top]]}
+                        for n, (t, c) in ranked[:top]],
+            "host": {"step_interval_us": (round((starts[-1] - starts[0]) / (len(starts) - 1), 1)
+                                          if len(starts) > 1 else None),
+                     "phases_us_per_step": {n: round(t / steps, 1) for n, t in sorted(phases.items())},
+                     "cuda_calls": [{"name": n, "us_per_step": round(t / steps, 2), "calls_per_step": round(c / steps, 2)}
+                                    for n, (t, c) in calls[:top]]}}
 
 
 def attach_profile(run_path: str, directory: str) -> None:
@@ -259,8 +289,9 @@ def compare_profiles(runs: list[dict], phase: str = "decode") -> None:
         for k in p["kernels"]:
             if k["us_per_step"] >= 0.02 * p["gpu_busy_us_per_step"] and k["name"] not in names:
                 names.append(k["name"])
-    what = (f"Decode steps at batch {PROFILE_BATCH}" if phase == "decode" else
-            f"Prefill steps of {PROFILE_BATCH} x {THROUGHPUT_PROMPT}-token prompts (one output token)")
+    batch = "/".join(sorted({str(r[key].get("batch", PROFILE_BATCH)) for r in runs}))
+    what = (f"Decode steps at batch {batch}" if phase == "decode" else
+            f"Prefill steps of {batch} x {THROUGHPUT_PROMPT}-token prompts (one output token)")
     print()
     print(f"{what} on the GPU, us per step (kernel time; calls per step in brackets):")
     print()
@@ -277,6 +308,38 @@ def compare_profiles(runs: list[dict], phase: str = "decode") -> None:
         for r in runs:
             k = next((k for k in r[key]["kernels"] if k["name"] == name), None)
             cells.append("-" if k is None else f"{k['us_per_step']:,.1f} ({k['calls_per_step']:g})")
+        print(f"| `{name}` | " + " | ".join(cells) + " |")
+    _compare_host(runs, key)
+
+
+def _compare_host(runs: list[dict], key: str) -> None:
+    """The host's side of the profiled steps (profiles that have it), us per step: the step
+    interval, the worker's phases, and every CUDA API call taking at least 2% of some run's
+    step interval (calls per step in brackets)."""
+    runs = [r for r in runs if r[key].get("host")]
+    if not runs:
+        return
+    hosts = [r[key]["host"] for r in runs]
+    print()
+    print("The host's side of the same steps, us per step (CUDA API calls: calls per step in brackets):")
+    print()
+    print("| host | " + " | ".join(_label(r) for r in runs) + " |")
+    print("| --- |" + " ---: |" * len(runs))
+    print("| step interval (one step scope's start to the next) | "
+          + " | ".join("-" if h["step_interval_us"] is None else f"{h['step_interval_us']:,.1f}" for h in hosts) + " |")
+    for phase in sorted({p for h in hosts for p in h["phases_us_per_step"]}):
+        print(f"| worker phase `{phase}` | "
+              + " | ".join(f"{h['phases_us_per_step'][phase]:,.1f}" if phase in h["phases_us_per_step"] else "-"
+                           for h in hosts) + " |")
+    names: list[str] = []
+    for h in hosts:
+        floor = 0.02 * (h["step_interval_us"] or 0.0)
+        names += [c["name"] for c in h["cuda_calls"] if c["us_per_step"] >= floor and c["name"] not in names]
+    for name in names:
+        cells = []
+        for h in hosts:
+            c = next((c for c in h["cuda_calls"] if c["name"] == name), None)
+            cells.append("-" if c is None else f"{c['us_per_step']:,.1f} ({c['calls_per_step']:g})")
         print(f"| `{name}` | " + " | ".join(cells) + " |")
 
 
@@ -371,7 +434,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per batch and length (the fastest counts)")
     parser.add_argument("--chunk", type=int, help="max_num_batched_tokens (prefill chunking; default vLLM's)")
     parser.add_argument("--profile", metavar="DIR", help="after the measurements, profile decode steps at batch "
-                        f"{PROFILE_BATCH} with vLLM's torch profiler, traces in DIR")
+                        f"--profile-batch with vLLM's torch profiler, traces in DIR")
+    parser.add_argument("--profile-batch", type=int, default=PROFILE_BATCH,
+                        help=f"requests in the profiled batch (default {PROFILE_BATCH})")
     parser.add_argument("--profile-phase", choices=["decode", "prefill"], default="decode",
                         help="what --profile records: decode steps (default) or the batch's prefill steps")
     run(parser.parse_args())

@@ -22,6 +22,9 @@
 #   bench/engine_gpu.sh heads8-deep OUT_DIR   8 heads, compiled + CUDA graphs, ours (vLLM's own top-k, SM120's
 #                                          default on 0.32.0) and the reference, bf16 and fp8_ds_mla, on a
 #                                          16-layer variant and on the 2-layer model, 3 timed runs each; resumable
+#   bench/engine_gpu.sh heads8-host OUT_DIR   the 2-layer model, ours and the reference, bf16 then fp8_ds_mla,
+#                                          each with a profile of decode steps at batch 1 and their host
+#                                          side (step interval, worker phases, CUDA API calls); resumable
 #   bench/engine_gpu.sh heads8-graphs-fp8|heads8-graphs-bf16 OUT_DIR   8 heads, compiled + CUDA
 #                                          graphs, one GPU (the issue-16 regime); -fp8-mixed after
 #                                          -fp8: the two mixed pairs in that regime
@@ -286,6 +289,16 @@ PY
     done
     finish heads8-deep "$2" ref8deep-auto ours8deep-auto ref8deep-fp8_ds_mla ours8deep-fp8_ds_mla \
       ref8two-auto ours8two-auto ref8two-fp8_ds_mla ours8two-fp8_ds_mla ;;
+  heads8-host)  # the 2-layer model's decode at batch 1, ours against the reference, with a profile of
+    # those steps' host side (the fixed per-step cost of docs/e2e-h200.md, fourth round); resumable
+    export RUN_TIMEOUT=400 LOGS="$2"
+    for kv in auto fp8_ds_mla; do
+      step "ours8host-$kv" --model "$m8" $ours --topk vllm --graphs --kv $kv --repeats 3 \
+        --profile "$results/host-ours8-$kv" --profile-batch 1
+      step "ref8host-$kv" --model "$m8" $ref --graphs --kv $kv --repeats 3 \
+        --profile "$results/host-ref8-$kv" --profile-batch 1
+    done
+    finish heads8-host "$2" ref8host-auto ours8host-auto ref8host-fp8_ds_mla ours8host-fp8_ds_mla ;;
   heads8-prefill)  # heads8-round's prefill profiles alone (bf16 first); resumable
     export RUN_TIMEOUT=400 LOGS="$2"
     prefill_profiles
@@ -310,5 +323,5 @@ PY
       one "${spec%%:*}" 0,1 --model $m --tp 2 ${spec#*:}
     done
     finish tp2 "$2" reftp2-bf16 reftp2-fp8 ourstp2-bf16 ourstp2-fp8 ;;
-  *) echo "usage: $0 setup PARTS_DIR [--no-models] | line|serve|single|heads8|heads8-profile|heads8-round|heads8-prefill|heads8-deep|heads8-graphs-fp8|heads8-graphs-bf16|heads8-graphs-fp8-mixed|control|graphs|graphs-fp8|fp8-alias|tp2|tp2-graphs OUT_DIR | vllm-tests OUT_DIR [FIRST] [SHARDS]" >&2; exit 2 ;;
+  *) echo "usage: $0 setup PARTS_DIR [--no-models] | line|serve|single|heads8|heads8-profile|heads8-round|heads8-prefill|heads8-deep|heads8-host|heads8-graphs-fp8|heads8-graphs-bf16|heads8-graphs-fp8-mixed|control|graphs|graphs-fp8|fp8-alias|tp2|tp2-graphs OUT_DIR | vllm-tests OUT_DIR [FIRST] [SHARDS]" >&2; exit 2 ;;
 esac

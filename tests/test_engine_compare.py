@@ -110,15 +110,21 @@ def test_vllms_own_backend_choice_is_a_reference_too(e2e, tmp_path, capsys):
 
 
 def _trace(tmp_path, steps: int, kernels: dict[str, float], gap_us: float = 5.0,
-           scope: str = "gpu_model_runner: forward"):
+           scope: str = "gpu_model_runner: forward", host: dict[str, float] | None = None,
+           calls: dict[str, float] | None = None):
     """A torch profiler trace (Chrome trace JSON, gzip) of `steps` engine steps: vLLM's step
-    scope on the host and, on the GPU, each kernel once a step taking the given microseconds."""
+    scope on the host and, on the GPU, each kernel once a step taking the given microseconds;
+    `host`: worker phases (gpu_model_runner scopes) and `calls`: CUDA API calls, once a step each."""
     import gzip
 
     events, ts = [{"ph": "M", "name": "process_name", "args": {"name": "python"}}], 1000.0
     for _ in range(steps):
         events.append({"ph": "X", "cat": "user_annotation", "name": scope, "ts": ts, "dur": 50.0})
         events.append({"ph": "X", "cat": "user_annotation", "name": "schedule: allocate_slots", "ts": ts, "dur": 1.0})
+        for name, dur in (host or {}).items():
+            events.append({"ph": "X", "cat": "user_annotation", "name": f"gpu_model_runner: {name}", "ts": ts, "dur": dur})
+        for name, dur in (calls or {}).items():
+            events.append({"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur})
         for name, dur in kernels.items():
             events.append({"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur})
             ts += dur
@@ -141,6 +147,38 @@ def test_profile_summary_gives_gpu_time_per_step_by_kernel(e2e, tmp_path):
     assert p["span_us_per_step"] == round((4 * 48 - 5) / 4, 1)
     assert [(k["name"], k["us_per_step"], k["calls_per_step"]) for k in p["kernels"]] == [
         ("flash_fwd_kernel", 30.0, 1), ("_sparse_mla_decode", 12.0, 1), ("Memcpy DtoD", 1.0, 1)]
+
+
+def test_profile_summary_gives_the_host_side_of_a_step(e2e, tmp_path):
+    scope = "execute_context_0(0)_generation_1(1)"
+    path = _trace(tmp_path, 4, {"k": 10.0}, gap_us=90.0, scope=scope,
+                  host={"preprocess": 120.0, "sample": 30.0},
+                  calls={"cudaGraphLaunch": 8.0, "cudaStreamSynchronize": 400.0})
+    h = e2e.profile_summary(path)["host"]
+    # each step: 10 us of kernel and a 90 us gap, so one step scope starts 100 us after the last
+    assert h["step_interval_us"] == 100.0
+    assert h["phases_us_per_step"] == {"preprocess": 120.0, "sample": 30.0}
+    assert [(c["name"], c["us_per_step"], c["calls_per_step"]) for c in h["cuda_calls"]] == [
+        ("cudaStreamSynchronize", 400.0, 1), ("cudaGraphLaunch", 8.0, 1)]
+
+
+def test_compare_prints_the_host_side_beside_the_kernels(e2e, tmp_path, capsys):
+    ref, ours = _run(), _run("TRITON_MLA_SPARSE", "fallback")
+    ref["decode_profile"] = dict(e2e.profile_summary(_trace(
+        tmp_path, 2, {"flash_mla_kernel": 20.0}, gap_us=980.0, host={"preprocess": 100.0},
+        calls={"cudaGraphLaunch": 30.0, "cudaMemcpyAsync": 1.0})), batch=1)
+    ours["decode_profile"] = dict(e2e.profile_summary(_trace(
+        tmp_path, 2, {"_sparse_mla_decode": 10.0}, gap_us=1490.0, host={"preprocess": 600.0, "bookkeep": 5.0},
+        calls={"cudaGraphLaunch": 30.0, "cudaStreamSynchronize": 450.0})), batch=1)
+    e2e.compare(_written(tmp_path, {"ref": ref, "ours": ours}))
+    out = capsys.readouterr().out
+    assert "Decode steps at batch 1 " in out
+    assert "| step interval (one step scope's start to the next) | 1,000.0 | 1,500.0 |" in out
+    assert "| worker phase `preprocess` | 100.0 | 600.0 |" in out
+    assert "| worker phase `bookkeep` | - | 5.0 |" in out
+    assert "| `cudaStreamSynchronize` | - | 450.0 (1) |" in out
+    assert "| `cudaGraphLaunch` | 30.0 (1) | 30.0 (1) |" in out
+    assert "`cudaMemcpyAsync`" not in out  # under 2% of every run's step interval
 
 
 def test_profile_summary_refuses_a_trace_without_steps_or_gpu_work(e2e, tmp_path):
