@@ -22,7 +22,7 @@ from its 3 GGUF shards through the patch set's glm-dsa loader. Prompts are token
 3. With --profile DIR, a profile of the decode steps at batch 32 (--profile-batch N: N; 3000-token
    prompts): vLLM's own torch profiler in the engine's worker, started PROFILE_DELAY engine steps
    into the batch (past its prefill chunks) for PROFILE_STEPS steps; the GPU kernels' time per
-   step, by kernel, and the host's side (step interval, the worker's phases, CUDA API calls), from
+   step, by kernel, and the host's side (step interval, annotated scopes, CUDA API calls), from
    the trace it writes to DIR (`compare` prints the runs' profiles side by side). With
    --profile-phase prefill instead: the same batch with one output token, every step of it
    profiled (its prefill chunks), the kernels' time per step and in all (`prefill_profile`).
@@ -60,7 +60,6 @@ PREFILL_PROFILE_STEPS = 64  # more than a batch's prefill steps; the profile sto
 FORWARD_SCOPE = "gpu_model_runner: forward"
 STEP_SCOPE_PREFIX = "execute_context_"
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
-HOST_SCOPE_PREFIX = "gpu_model_runner: "  # the worker's host-side phases of a step (preprocess, forward, ...)
 RUNTIME_CATEGORIES = ("cuda_runtime", "cuda_driver")  # the host's CUDA API calls (launches, copies, syncs)
 
 
@@ -211,8 +210,9 @@ def profile_summary(path: str, top: int = 30) -> dict:
     durations; span is from the first GPU activity's start to the last one's end (the gaps in
     it are time the GPU waited for the host). The host: the step interval (from one step
     scope's start to the next one's, the wall time of a step as the worker sees it), the time
-    per step in each of the worker's phases (HOST_SCOPE_PREFIX scopes), and the CUDA API calls
-    per step by name (a synchronising call there is where the host waits for the GPU)."""
+    per step in each host-side scope vLLM annotates (the scheduler's, the model runner's; the
+    STEP_SCOPE_PREFIX scopes together as one), and the CUDA API calls per step by name (a
+    synchronising call there is where the host waits for the GPU)."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as handle:
         events = json.load(handle)["traceEvents"]
@@ -246,9 +246,8 @@ def profile_summary(path: str, top: int = 30) -> dict:
                     if (e["name"] == step_name if step_name else e["name"].startswith(STEP_SCOPE_PREFIX)))
     phases: dict[str, float] = {}
     for e in annotations:
-        if e["name"].startswith(HOST_SCOPE_PREFIX):
-            phase = e["name"][len(HOST_SCOPE_PREFIX):]
-            phases[phase] = phases.get(phase, 0.0) + e.get("dur", 0.0)
+        phase = STEP_SCOPE_PREFIX + "* (the step)" if e["name"].startswith(STEP_SCOPE_PREFIX) else e["name"]
+        phases[phase] = phases.get(phase, 0.0) + e.get("dur", 0.0)
     calls = sorted(runtime.items(), key=lambda kv: -kv[1][0])
     return {"steps": steps, "step_scopes": batches, "gpu_busy_us_per_step": round(busy / steps, 1),
             "span_us_per_step": round((end - start) / steps, 1),
@@ -314,8 +313,8 @@ def compare_profiles(runs: list[dict], phase: str = "decode") -> None:
 
 def _compare_host(runs: list[dict], key: str) -> None:
     """The host's side of the profiled steps (profiles that have it), us per step: the step
-    interval, the worker's phases, and every CUDA API call taking at least 2% of some run's
-    step interval (calls per step in brackets)."""
+    interval, the annotated host scopes, and every CUDA API call taking at least 2% of some
+    run's step interval (calls per step in brackets)."""
     runs = [r for r in runs if r[key].get("host")]
     if not runs:
         return
@@ -328,7 +327,7 @@ def _compare_host(runs: list[dict], key: str) -> None:
     print("| step interval (one step scope's start to the next) | "
           + " | ".join("-" if h["step_interval_us"] is None else f"{h['step_interval_us']:,.1f}" for h in hosts) + " |")
     for phase in sorted({p for h in hosts for p in h["phases_us_per_step"]}):
-        print(f"| worker phase `{phase}` | "
+        print(f"| scope `{phase}` | "
               + " | ".join(f"{h['phases_us_per_step'][phase]:,.1f}" if phase in h["phases_us_per_step"] else "-"
                            for h in hosts) + " |")
     names: list[str] = []

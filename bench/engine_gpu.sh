@@ -24,7 +24,7 @@
 #                                          16-layer variant and on the 2-layer model, 3 timed runs each; resumable
 #   bench/engine_gpu.sh heads8-host OUT_DIR   the 2-layer model, ours and the reference, bf16 then fp8_ds_mla,
 #                                          each with a profile of decode steps at batch 1 and their host
-#                                          side (step interval, worker phases, CUDA API calls); resumable
+#                                          side (step interval, annotated host scopes, CUDA API calls); resumable
 #   bench/engine_gpu.sh heads8-graphs-fp8|heads8-graphs-bf16 OUT_DIR   8 heads, compiled + CUDA
 #                                          graphs, one GPU (the issue-16 regime); -fp8-mixed after
 #                                          -fp8: the two mixed pairs in that regime

@@ -114,7 +114,7 @@ def _trace(tmp_path, steps: int, kernels: dict[str, float], gap_us: float = 5.0,
            calls: dict[str, float] | None = None):
     """A torch profiler trace (Chrome trace JSON, gzip) of `steps` engine steps: vLLM's step
     scope on the host and, on the GPU, each kernel once a step taking the given microseconds;
-    `host`: worker phases (gpu_model_runner scopes) and `calls`: CUDA API calls, once a step each."""
+    `host`: host scopes (gpu_model_runner: NAME) and `calls`: CUDA API calls, once a step each."""
     import gzip
 
     events, ts = [{"ph": "M", "name": "process_name", "args": {"name": "python"}}], 1000.0
@@ -157,7 +157,8 @@ def test_profile_summary_gives_the_host_side_of_a_step(e2e, tmp_path):
     h = e2e.profile_summary(path)["host"]
     # each step: 10 us of kernel and a 90 us gap, so one step scope starts 100 us after the last
     assert h["step_interval_us"] == 100.0
-    assert h["phases_us_per_step"] == {"preprocess": 120.0, "sample": 30.0}
+    assert h["phases_us_per_step"] == {"execute_context_* (the step)": 50.0, "schedule: allocate_slots": 1.0,
+                                       "gpu_model_runner: preprocess": 120.0, "gpu_model_runner: sample": 30.0}
     assert [(c["name"], c["us_per_step"], c["calls_per_step"]) for c in h["cuda_calls"]] == [
         ("cudaStreamSynchronize", 400.0, 1), ("cudaGraphLaunch", 8.0, 1)]
 
@@ -174,8 +175,8 @@ def test_compare_prints_the_host_side_beside_the_kernels(e2e, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "Decode steps at batch 1 " in out
     assert "| step interval (one step scope's start to the next) | 1,000.0 | 1,500.0 |" in out
-    assert "| worker phase `preprocess` | 100.0 | 600.0 |" in out
-    assert "| worker phase `bookkeep` | - | 5.0 |" in out
+    assert "| scope `gpu_model_runner: preprocess` | 100.0 | 600.0 |" in out
+    assert "| scope `gpu_model_runner: bookkeep` | - | 5.0 |" in out
     assert "| `cudaStreamSynchronize` | - | 450.0 (1) |" in out
     assert "| `cudaGraphLaunch` | 30.0 (1) | 30.0 (1) |" in out
     assert "`cudaMemcpyAsync`" not in out  # under 2% of every run's step interval
