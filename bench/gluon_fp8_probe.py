@@ -1,23 +1,30 @@
-"""A compile-only study for issue 16's fp8_ds_mla path: the sparse-MLA key loop written in Gluon
-(Triton's explicit-layout dialect, `triton.experimental.gluon`, Triton 3.7.1), compiled offline
-for sm_120 (and sm_90), its shared memory, registers, spills and instruction mix printed.
+"""Issue 16's fp8_ds_mla path in Gluon (Triton's explicit-layout dialect,
+`triton.experimental.gluon`, Triton 3.6 and 3.7): a compile-only study of the key loop and a
+whole prototype kernel, with its correctness and timing on a GPU.
 
-Nothing runs on a GPU and nothing is checked for correctness: the question is whether Gluon can
-express the loop that Triton's tl.dot cannot (docs/perf-kernels.md, "Fourth pass": the fp8
-tile's conversion sits between the gather and the first tensor-core instruction) within
-sm_120's 99 KB. One query token, 16 heads, the 512 latent dims (the 64 RoPE dims left out),
-BLOCK_N keys a step gathered with cp.async into a ring of STAGES raw 656-byte rows, an online
-softmax, two variants:
+Compile-only (no GPU): each variant compiled for sm_120 (and sm_90), its shared memory,
+registers, spills and instruction mix printed. The question is whether Gluon can express the
+loop that Triton's tl.dot cannot (docs/perf-kernels.md, "Fourth pass": the fp8 tile's conversion
+sits between the gather and the first tensor-core instruction) within sm_120's 99 KB. One query
+token, 16 heads, BLOCK_N keys a step gathered with cp.async into a ring of STAGES raw rows:
 
-  staged: every key tile converted (fp8 bytes -> bf16 x 2^-120, integer bit moves) into a
-          double-buffered bf16 tile in shared memory, tile i+1's conversion issued between
-          tile i's Q.K and P.V with no barrier between (the pipelining tl.dot cannot express);
-  direct: Q.K reads the raw bytes straight into the tensor-core B-operand layout (k_width 4:
-          four consecutive key bytes per 32-bit shared load) and converts them in registers,
-          so Q.K needs no bf16 staging; only P.V's operand (keys along its reduction) is
-          converted into one bf16 tile.
+  staged:    (512 latent dims) every key tile converted (fp8 bytes -> bf16 x 2^-120, integer bit
+             moves) into a double-buffered bf16 tile in shared memory, tile i+1's conversion
+             issued between tile i's Q.K and P.V with no barrier between them;
+  direct:    (512 latent dims) Q.K reads the raw bytes straight into the tensor-core B-operand
+             layout (k_width 4: four consecutive key bytes per 32-bit shared load) and converts
+             them in registers, so Q.K needs no bf16 staging; only P.V's operand (keys along its
+             reduction) is converted into one bf16 tile;
+  prototype: `gluon_fp8_sparse_mla`, "direct" whole: the RoPE dims, the four per-128 scales
+             (on the logits for Q.K, in the conversion for P.V), invalid indices, the LSE; one
+             program per token and 16 heads over all its indices (no splits: for s_q >= 256).
 
-    PYTHONPATH=<triton 3.7.1> python bench/gluon_fp8_probe.py [--cap 120] [--cap 90]
+With --run (a CUDA GPU, mlafleet importable): the prototype against the float32 reference
+(invalid and out-of-range indices, a row with nothing valid) and against mlafleet's Triton
+launcher, then both timed by CUDA-graph replay (bench/cuda_timing.py).
+
+    python bench/gluon_fp8_probe.py [--cap 120] [--cap 90]     # compile-only, any machine
+    PYTHONPATH=. python bench/gluon_fp8_probe.py --run            # on the GPU
 """
 import argparse
 import collections
@@ -31,6 +38,9 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp, mma_v2
+
+# a CTA-wide barrier: gl.thread_barrier in Triton 3.6, gl.barrier in 3.7
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 PTX = gl.constexpr("""{
     .reg .b32 a<2>;
@@ -98,7 +108,7 @@ def probe_kernel(Q, KV, IDX, OUT, topk, qk_scale,
         cp.async_copy_global_to_shared(raw.index(st), KV + slot[:, None] * TOK + cols[None, :])
         cp.commit_group()
     cp.wait_group(STAGES - 2)
-    gl.barrier()
+    _barrier()
     if not DIRECT:
         _convert(raw.index(0), cvt.index(0), RAW_L)
 
@@ -115,7 +125,7 @@ def probe_kernel(Q, KV, IDX, OUT, topk, qk_scale,
         cp.async_copy_global_to_shared(raw.index(nxt % STAGES), KV + slot[:, None] * TOK + cols[None, :])
         cp.commit_group()
         cp.wait_group(STAGES - 2)
-        gl.barrier()
+        _barrier()
         # tile i's dots (its converted keys in cvt[i % 2]) and tile i+1's conversion, no barrier between
         if DIRECT:
             r = raw.index(i % STAGES)
@@ -139,7 +149,7 @@ def probe_kernel(Q, KV, IDX, OUT, topk, qk_scale,
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
         p_smem.store(p.to(gl.bfloat16))
-        gl.barrier()
+        _barrier()
         pa = p_smem.load(A_OP)
         acc0 = mma_v2(pa, k.slice(0, 128, dim=1).load(B_OP), acc0 * alpha[:, None])
         acc1 = mma_v2(pa, k.slice(128, 128, dim=1).load(B_OP), acc1 * alpha[:, None])
@@ -156,41 +166,300 @@ def probe_kernel(Q, KV, IDX, OUT, topk, qk_scale,
     gl.store(o + 384, (acc3 * inv[:, None]).to(gl.bfloat16))
 
 
-def compile_variant(cap: int, block_n: int, stages: int, direct: bool) -> dict:
-    sig = {"Q": "*bf16", "KV": "*u8", "IDX": "*i32", "OUT": "*bf16", "topk": "i32", "qk_scale": "fp32",
-           "BLOCK_N": "constexpr", "STAGES": "constexpr", "DIRECT": "constexpr", "num_warps": "constexpr"}
-    an = list(probe_kernel.arg_names)
-    attrs = {(an.index(n),): [["tt.divisibility", 16]] for n in ("Q", "KV", "IDX", "OUT")}
-    src = gluon._runtime.GluonASTSource(fn=probe_kernel, signature=sig,
-                                        constexprs={"BLOCK_N": block_n, "STAGES": stages, "DIRECT": direct, "num_warps": 4},
-                                        attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": 4})
+def _compile(fn, cap: int, signature: dict, constexprs: dict, aligned) -> dict:
+    """fn compiled for sm_<cap> (4 warps): shared bytes, registers, spill stack, instruction counts."""
+    names = list(fn.arg_names)
+    sig = {**signature, **{n: "constexpr" for n in (*constexprs, "num_warps")}}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = gluon._runtime.GluonASTSource(fn=fn, signature=sig, constexprs={**constexprs, "num_warps": 4}, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": 4})
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     with tempfile.TemporaryDirectory() as t:
-        Path(t, "k.cubin").write_bytes(k.asm["cubin"])
+        Path(t, "k.cubin").write_bytes(compiled.asm["cubin"])
         sass = subprocess.run([str(cuobjdump), "-sass", f"{t}/k.cubin"], capture_output=True, text=True).stdout
         res = subprocess.run([str(cuobjdump), "-res-usage", f"{t}/k.cubin"], capture_output=True, text=True).stdout
     ops = collections.Counter(m.group(1) for m in re.finditer(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass))
     reg = re.search(r"REG:([0-9]+)", res)
     stack = re.search(r"STACK:([0-9]+)", res)
-    return {"shared": int(k.metadata.shared), "registers": int(reg.group(1)) if reg else None,
+    return {"shared": int(compiled.metadata.shared), "registers": int(reg.group(1)) if reg else None,
             "stack": int(stack.group(1)) if stack else 0, "ops": {o: ops[o] for o in OPS}}
+
+
+def compile_variant(cap: int, block_n: int, stages: int, direct: bool) -> dict:
+    sig = {"Q": "*bf16", "KV": "*u8", "IDX": "*i32", "OUT": "*bf16", "topk": "i32", "qk_scale": "fp32"}
+    return _compile(probe_kernel, cap, sig, {"BLOCK_N": block_n, "STAGES": stages, "DIRECT": direct},
+                    ("Q", "KV", "IDX", "OUT"))
+
+
+# ------------------------------------------------------------------------------------------
+# The prototype ("direct"), whole: RoPE, the four per-128 scales, invalid indices, the LSE.
+# Unsplit (one program = one token x 16 heads over all its topk indices), for s_q >= 64.
+# ------------------------------------------------------------------------------------------
+
+FP8_BITS_TIMES = gl.constexpr("""{
+    .reg .b32 a<2>;
+    prmt.b32 a0, $2, 0, 0x9180;
+    prmt.b32 a1, $2, 0, 0xB3A2;
+    shl.b32 a0, a0, 4;
+    shl.b32 a1, a1, 4;
+    and.b32 a0, a0, 0x87F087F0;
+    and.b32 a1, a1, 0x87F087F0;
+    mul.rn.bf16x2 $0, a0, $3;
+    mul.rn.bf16x2 $1, a1, $4;
+}""")
+
+
+@gluon.jit
+def _issue_gather(raw, rope, t, n_tiles, idx_raw, idx_rope, n_slots, KV, KVH,
+                  STAGES: gl.constexpr, RAW_L: gl.constexpr, ROPE_L: gl.constexpr):
+    """cp.async of tile t's rows into ring slot t % STAGES: the 512 fp8 bytes and the 64 RoPE
+    bf16 values of each key (invalid keys and tiles past the end: zero-filled, nothing read)."""
+    cols = gl.arange(0, 512, layout=gl.SliceLayout(0, RAW_L))
+    ok = (idx_raw >= 0) & (idx_raw < n_slots) & (t < n_tiles)
+    ptr = KV + idx_raw.to(gl.int64)[:, None] * 656 + cols[None, :]
+    cp.async_copy_global_to_shared(raw.index(t % STAGES), ptr, mask=ok[:, None])
+    rcols = gl.arange(0, 64, layout=gl.SliceLayout(0, ROPE_L))
+    rok = (idx_rope >= 0) & (idx_rope < n_slots) & (t < n_tiles)
+    rptr = KVH + idx_rope.to(gl.int64)[:, None] * 328 + 264 + rcols[None, :]
+    cp.async_copy_global_to_shared(rope.index(t % STAGES), rptr, mask=rok[:, None])
+    cp.commit_group()
+
+
+@gluon.jit
+def gluon_fp8_sparse_mla(Q, Q_ROPE, KV, KVH, KVF, IDX, OUT, LSE, n_slots, h_q, topk, n_head_blocks,
+                         qk_scale_log2,
+                         stride_q_tok, stride_q_head, stride_qr_tok, stride_qr_head, stride_idx_tok,
+                         stride_out_tok, stride_out_head,
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SWIZZLE: gl.constexpr,
+                         num_warps: gl.constexpr):
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, num_warps], instr_shape=[16, 8])
+    A2: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B2: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    A4: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
+    B4: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
+    RAW_L: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [num_warps, 1], [1, 0])
+    G_L: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])
+    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    PLAIN: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    SWZ: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+    COL: gl.constexpr = gl.SliceLayout(0, MMA)
+    ROW: gl.constexpr = gl.SliceLayout(1, MMA)
+
+    pid = gl.program_id(0)
+    head_block = pid % n_head_blocks
+    tok = (pid // n_head_blocks).to(gl.int64)
+
+    # q: the latent part times 2^100 (the keys arrive as x * 2^-120), RoPE as is, in shared memory
+    hq = head_block * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, Q_L))
+    dq = gl.arange(0, 128, layout=gl.SliceLayout(0, Q_L))
+    hmask = (hq < h_q)[:, None]
+    q_base = Q + tok * stride_q_tok + hq.to(gl.int64)[:, None] * stride_q_head + dq[None, :]
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [4, 16, 128], SWZ)
+    for g in gl.static_range(4):
+        qg = gl.load(q_base + g * 128, mask=hmask, other=0.0).to(gl.float32) * 1.2676506002282294e30
+        q_smem.index(g).store(qg.to(gl.bfloat16))
+    dr = gl.arange(0, 64, layout=gl.SliceLayout(0, Q_L))
+    qr = gl.load(Q_ROPE + tok * stride_qr_tok + hq.to(gl.int64)[:, None] * stride_qr_head + dr[None, :],
+                 mask=hmask, other=0.0)
+    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [16, 64], SWZ)
+    qr_smem.store(qr)
+
+    # the ring swizzled in 16-byte chunks: the Q.K operand loads read 4 bytes of 8 keys at once
+    RAW_S: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
+    raw = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], RAW_S if SWIZZLE else PLAIN)
+    rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SWZ if SWIZZLE else PLAIN)
+    cvt = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 512], SWZ)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [16, BLOCK_N], SWZ)
+
+    idx_base = IDX + tok * stride_idx_tok
+    n_tiles = topk // BLOCK_N
+    r_raw = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, RAW_L))
+    r_rope = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ROPE_L))
+    for t in gl.static_range(STAGES - 1):
+        _issue_gather(raw, rope, t, n_tiles, gl.load(idx_base + t * BLOCK_N + r_raw, mask=t < n_tiles, other=-1),
+                      gl.load(idx_base + t * BLOCK_N + r_rope, mask=t < n_tiles, other=-1), n_slots, KV, KVH,
+                      STAGES, RAW_L, ROPE_L)
+    nt = STAGES - 1
+    nxt_raw = gl.load(idx_base + nt * BLOCK_N + r_raw, mask=nt < n_tiles, other=-1)
+    nxt_rope = gl.load(idx_base + nt * BLOCK_N + r_rope, mask=nt < n_tiles, other=-1)
+
+    m_i = gl.full([16], float("-inf"), gl.float32, layout=ROW)
+    l_i = gl.zeros([16], gl.float32, layout=ROW)
+    acc0 = gl.zeros([16, 128], gl.float32, layout=MMA)
+    acc1 = gl.zeros([16, 128], gl.float32, layout=MMA)
+    acc2 = gl.zeros([16, 128], gl.float32, layout=MMA)
+    acc3 = gl.zeros([16, 128], gl.float32, layout=MMA)
+    kc = gl.arange(0, BLOCK_N, layout=COL)
+    kg = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, G_L))
+    for i in range(n_tiles):
+        cp.wait_group(STAGES - 2)
+        _barrier()  # tile i landed; every warp is past tile i-1 (its ring slot, cvt and p_smem are free)
+        _issue_gather(raw, rope, i + STAGES - 1, n_tiles, nxt_raw, nxt_rope, n_slots, KV, KVH, STAGES, RAW_L, ROPE_L)
+        ahead = i + STAGES
+        nxt_raw = gl.load(idx_base + ahead * BLOCK_N + r_raw, mask=ahead < n_tiles, other=-1)
+        nxt_rope = gl.load(idx_base + ahead * BLOCK_N + r_rope, mask=ahead < n_tiles, other=-1)
+
+        slot = i % STAGES
+        r = raw.index(slot)
+        idx_c = gl.load(idx_base + i * BLOCK_N + kc)
+        ok_c = (idx_c >= 0) & (idx_c < n_slots)
+        sc_c = KVF + idx_c.to(gl.int64) * 164 + 128
+        idx_g = gl.load(idx_base + i * BLOCK_N + kg)
+        ok_g = (idx_g >= 0) & (idx_g < n_slots)
+        sc_g = KVF + idx_g.to(gl.int64) * 164 + 128
+
+        # Q.K: the raw bytes straight into the B-operand layout, converted in registers; each
+        # group's partial logits times its scale (and the 2^20 left by q * 2^100 * x * 2^-120)
+        zero = gl.zeros([16, BLOCK_N], gl.float32, layout=MMA)
+        s = mma_v2(qr_smem.load(A2), rope.index(slot).permute([1, 0]).load(B2), zero)
+        for g in gl.static_range(4):
+            kb = r.slice(g * 128, 128, dim=1).permute([1, 0]).load(B4)
+            kb = gl.inline_asm_elementwise(PTX, "=r,=r,r", [kb], dtype=gl.bfloat16, is_pure=True, pack=4)
+            sg = mma_v2(q_smem.index(g).load(A4), kb, zero)
+            scale = gl.load(sc_c + g, mask=ok_c, other=0.0) * 1048576.0
+            s = s + sg * scale[None, :]
+        # P.V's operand: each group x * scale (exact in bf16 for power-of-two scales), one tile
+        for g in gl.static_range(4):
+            f = (gl.load(sc_g + g, mask=ok_g, other=0.0) * 1.329227995784916e36).to(gl.bfloat16)  # scale * 2^120
+            rg = r.slice(g * 128, 128, dim=1).load(G_L)
+            v = gl.inline_asm_elementwise(FP8_BITS_TIMES, "=r,=r,r,r,r", [rg, gl.broadcast(f[:, None], rg)[0]],
+                                          dtype=gl.bfloat16, is_pure=True, pack=4)
+            cvt.slice(g * 128, 128, dim=1).store(v)
+
+        s = gl.where(ok_c[None, :], s * qk_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p_smem.store(p.to(gl.bfloat16))
+        _barrier()
+        pa = p_smem.load(A2)
+        acc0 = mma_v2(pa, cvt.slice(0, 128, dim=1).load(B2), acc0 * alpha[:, None])
+        acc1 = mma_v2(pa, cvt.slice(128, 128, dim=1).load(B2), acc1 * alpha[:, None])
+        acc2 = mma_v2(pa, cvt.slice(256, 128, dim=1).load(B2), acc2 * alpha[:, None])
+        acc3 = mma_v2(pa, cvt.slice(384, 128, dim=1).load(B2), acc3 * alpha[:, None])
+    cp.wait_group(0)
+
+    empty = l_i == 0.0
+    inv = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
+    ho = head_block * 16 + gl.arange(0, 16, layout=ROW)
+    do = gl.arange(0, 128, layout=COL)
+    omask = (ho < h_q)[:, None]
+    o = OUT + tok * stride_out_tok + ho.to(gl.int64)[:, None] * stride_out_head + do[None, :]
+    gl.store(o, (acc0 * inv[:, None]).to(gl.bfloat16), mask=omask)
+    gl.store(o + 128, (acc1 * inv[:, None]).to(gl.bfloat16), mask=omask)
+    gl.store(o + 256, (acc2 * inv[:, None]).to(gl.bfloat16), mask=omask)
+    gl.store(o + 384, (acc3 * inv[:, None]).to(gl.bfloat16), mask=omask)
+    lse = gl.where(empty, float("inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    gl.store(LSE + tok * h_q + ho, lse, mask=ho < h_q)
+
+
+def gluon_fp8_fwd(q, cache, idx, sm_scale, block_n=32, stages=2, swizzle=True):
+    """out [s_q, h_q, 512] bf16, lse [s_q, h_q] for q [s_q, h_q, 576] bf16 over the fp8_ds_mla
+    rows `cache` (uint8, contiguous rows of 656 bytes) at idx [s_q, 1, topk] int32."""
+    import torch
+
+    s_q, h_q, _ = q.shape
+    topk = idx.shape[-1]
+    assert topk % block_n == 0 and q.stride(-1) == 1 and cache.is_contiguous()
+    rows = cache.reshape(-1, 656)
+    out = q.new_empty((s_q, h_q, 512))
+    lse = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
+    hb = (h_q + 15) // 16
+    gluon_fp8_sparse_mla[(s_q * hb,)](
+        q[..., :512], q[..., 512:], rows, rows.view(torch.bfloat16), rows.view(torch.float32),
+        idx, out, lse, rows.shape[0], h_q, topk, hb, sm_scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), q.stride(0), q.stride(1), idx.stride(0), out.stride(0), out.stride(1),
+        BLOCK_N=block_n, STAGES=stages, SWIZZLE=swizzle, num_warps=4)
+    return out, lse
+
+
+def run_on_gpu(stages_list) -> None:
+    """Correctness against the float32 reference and our Triton launcher, then CUDA-graph timing
+    of the prototype against the launcher at s_q >= 64 (one process; 2M-slot cache, topk 2048)."""
+    import sys as _sys
+    import torch
+
+    _sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from cuda_timing import time_graph
+    from mlafleet.kernels import sparse_mla as sm
+
+    dev, gen = "cuda", torch.Generator(device="cuda").manual_seed(0)
+    scale = 576 ** -0.5
+    s_kv, topk = 2_000_000, 2048
+    kv = (torch.randn((s_kv, 576), device=dev, generator=gen) * 0.5).to(torch.bfloat16)
+    cache = sm.quantize_fp8_ds_mla(kv)
+    del kv
+    print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}")
+    # correctness: 4 tokens, invalid and out-of-range indices, a row with nothing valid
+    for h_q in (8, 16, 32):
+        q = torch.randn((4, h_q, 576), device=dev, generator=gen).to(torch.bfloat16)
+        idx = torch.randint(0, s_kv, (4, 1, topk), device=dev, dtype=torch.int32, generator=gen)
+        idx[:, :, 5::17] = -1
+        idx[:, :, 7::29] = s_kv + 3
+        idx[-1] = -1
+        ref_o, ref_l = sm.reference_sparse_mla_fp8(q, cache, idx, scale)
+        for st, sw in stages_list:
+            o, lse = gluon_fp8_fwd(q, cache, idx, scale, stages=st, swizzle=sw)
+            err = ((o.float() - ref_o).norm(dim=-1) / ref_o.norm(dim=-1).clamp_min(1e-6))[:3].max().item()
+            empty_ok = bool((o[-1] == 0).all()) and bool(torch.isinf(lse[-1]).all())
+            lse_err = (lse[:3] - ref_l[:3]).abs().max().item()
+            print(f"check h_q {h_q} stages {st} swizzled {sw}: worst row error {err:.2e}, lse error {lse_err:.1e}, empty row {empty_ok}")
+    print("| s_q x h_q | ours (Triton launcher) us | " + " | ".join(f"Gluon, {st} stages{', swizzled' if sw else ''} us" for st, sw in stages_list)
+          + " | best / launcher | best % of copy |")
+    print("|---|---:|" + "---:|" * len(stages_list) + "---:|---:|")
+    for s_q, h_q in ((256, 8), (4096, 8), (4096, 16), (4096, 32)):
+        sets = max(1, 2048 // s_q)
+        qs = [torch.randn((s_q, h_q, 576), device=dev, generator=gen).to(torch.bfloat16) for _ in range(sets)]
+        ids = [torch.randint(0, s_kv, (s_q, 1, topk), device=dev, dtype=torch.int32, generator=gen) for _ in range(sets)]
+        ours = time_graph([lambda q=q, i=i: sm.sparse_mla_fwd_fp8(q, cache, i, scale) for q, i in zip(qs, ids)], 10)
+        row = []
+        for st, sw in stages_list:
+            row.append(time_graph([lambda q=q, i=i: gluon_fp8_fwd(q, cache, i, scale, stages=st, swizzle=sw)
+                                   for q, i in zip(qs, ids)], 10))
+            o1 = gluon_fp8_fwd(qs[0], cache, ids[0], scale, stages=st, swizzle=sw)[0].float()
+            o2 = sm.sparse_mla_fwd_fp8(qs[0], cache, ids[0], scale)[0].float()
+            assert ((o1 - o2).norm(dim=-1) / o2.norm(dim=-1)).max().item() < 1e-2, "prototype and launcher disagree"
+        best = min(row)
+        gbps = s_q * topk * 656 / best / 1e9
+        print(f"| {s_q} x {h_q} | {ours * 1e6:.1f} | " + " | ".join(f"{t * 1e6:.1f}" for t in row)
+              + f" | {best / ours:.2f} | {gbps / 42.68:.0f}% |", flush=True)
 
 
 OPS = ("HMMA", "LDSM", "LDS", "STS", "LDGSTS", "BAR")
 
 
+def compile_prototype(cap: int, block_n: int, stages: int, swizzle: bool = True) -> dict:
+    ptrs = {"Q": "*bf16", "Q_ROPE": "*bf16", "KV": "*u8", "KVH": "*bf16", "KVF": "*fp32", "IDX": "*i32",
+            "OUT": "*bf16", "LSE": "*fp32"}
+    ints = ("n_slots", "h_q", "topk", "n_head_blocks", "stride_q_tok", "stride_q_head", "stride_qr_tok",
+            "stride_qr_head", "stride_idx_tok", "stride_out_tok", "stride_out_head")
+    sig = {**ptrs, **{n: "i32" for n in ints}, "qk_scale_log2": "fp32"}
+    return _compile(gluon_fp8_sparse_mla, cap, sig, {"BLOCK_N": block_n, "STAGES": stages, "SWIZZLE": swizzle},
+                    tuple(ptrs))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cap", type=int, action="append", help="compute capability x 10 (default: 120)")
+    parser.add_argument("--run", action="store_true", help="on a GPU: the prototype's correctness and timing "
+                        "against the Triton launcher (needs mlafleet on PYTHONPATH)")
     args = parser.parse_args()
+    if args.run:
+        run_on_gpu([(2, False), (2, True), (3, True)])
+        return
     print("| target | variant | BLOCK_N | raw stages | shared bytes | fits 101376 | registers | stack (spills) | "
           + " | ".join(OPS) + " |")
     print("|---|---|---:|---:|---:|---|---:|---:|" + "---:|" * len(OPS))
     for cap in args.cap or [120]:
-        for direct, block_n, stages in ((False, 32, 3), (True, 32, 3), (True, 32, 2)):
-            r = compile_variant(cap, block_n, stages, direct)
-            print(f"| sm_{cap} | {'direct' if direct else 'staged'} | {block_n} | {stages} | {r['shared']} | "
+        for variant, block_n, stages in (("staged", 32, 3), ("direct", 32, 3), ("direct", 32, 2),
+                                         ("prototype", 32, 2), ("prototype", 32, 3)):
+            r = (compile_prototype(cap, block_n, stages) if variant == "prototype"
+                 else compile_variant(cap, block_n, stages, variant == "direct"))
+            print(f"| sm_{cap} | {variant} | {block_n} | {stages} | {r['shared']} | "
                   f"{'yes' if r['shared'] <= 101376 else 'no'} | {r['registers']} | {r['stack']} | "
                   + " | ".join(str(r["ops"][o]) for o in OPS) + " |", flush=True)
 
