@@ -23,7 +23,7 @@ With --run (a CUDA GPU, mlafleet importable): the prototype against the float32 
 (invalid and out-of-range indices, a row with nothing valid) and against mlafleet's Triton
 launcher, then both timed by CUDA-graph replay (bench/cuda_timing.py).
 
-    python bench/gluon_fp8_probe.py [--cap 120] [--cap 90]     # compile-only, any machine
+    PYTHONPATH=. python bench/gluon_fp8_probe.py [--cap 120] [--cap 90]   # compile-only, any machine
     PYTHONPATH=. python bench/gluon_fp8_probe.py --run            # on the GPU
 """
 import argparse
@@ -39,18 +39,34 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp, mma_v2
 
+from mlafleet.kernels.sparse_mla import _FP8_BITS_PTX
+
 # a CTA-wide barrier: gl.thread_barrier in Triton 3.6, gl.barrier in 3.7
 _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
-PTX = gl.constexpr("""{
-    .reg .b32 a<2>;
-    prmt.b32 a0, $2, 0, 0x9180;
-    prmt.b32 a1, $2, 0, 0xB3A2;
-    shl.b32 a0, a0, 4;
-    shl.b32 a1, a1, 4;
-    and.b32 $0, a0, 0x87F087F0;
-    and.b32 $1, a1, 0x87F087F0;
-}""")
+# fp8 bytes -> bf16 x 2^-120 (and times a bf16 factor): the bit moves of the Triton kernels'
+# `_fp8_bits_as_bf16`, the same PTX
+PTX = gl.constexpr("{" + _FP8_BITS_PTX.value + "mov.b32 $0, a0;\nmov.b32 $1, a1;\n}")
+FP8_BITS_TIMES = gl.constexpr("{" + _FP8_BITS_PTX.value + "mul.rn.bf16x2 $0, a0, $3;\nmul.rn.bf16x2 $1, a1, $4;\n}")
+
+
+@gluon.jit
+def _softmax_pv(s, m_i, l_i, acc0, acc1, acc2, acc3, p_smem, v_tile, A_OP: gl.constexpr, B_OP: gl.constexpr):
+    """One tile's online-softmax update (logits s in base 2, -inf where invalid) and P.V over the
+    four 128-column groups of v_tile ([BLOCK_N, 512] bf16 in shared memory): P goes through p_smem."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    p_smem.store(p.to(gl.bfloat16))
+    _barrier()
+    pa = p_smem.load(A_OP)
+    acc0 = mma_v2(pa, v_tile.slice(0, 128, dim=1).load(B_OP), acc0 * alpha[:, None])
+    acc1 = mma_v2(pa, v_tile.slice(128, 128, dim=1).load(B_OP), acc1 * alpha[:, None])
+    acc2 = mma_v2(pa, v_tile.slice(256, 128, dim=1).load(B_OP), acc2 * alpha[:, None])
+    acc3 = mma_v2(pa, v_tile.slice(384, 128, dim=1).load(B_OP), acc3 * alpha[:, None])
+    return m_new, l_i, acc0, acc1, acc2, acc3
 
 
 @gluon.jit
@@ -142,19 +158,8 @@ def probe_kernel(Q, KV, IDX, OUT, topk, qk_scale,
             s = mma_v2(q_smem.index(2).load(QL), k.slice(256, 128, dim=1).permute([1, 0]).load(B_OP), s)
             s = mma_v2(q_smem.index(3).load(QL), k.slice(384, 128, dim=1).permute([1, 0]).load(B_OP), s)
             _convert(raw.index((i + 1) % STAGES), cvt.index((i + 1) % 2), RAW_L)
-        s = s * qk_scale
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        p_smem.store(p.to(gl.bfloat16))
-        _barrier()
-        pa = p_smem.load(A_OP)
-        acc0 = mma_v2(pa, k.slice(0, 128, dim=1).load(B_OP), acc0 * alpha[:, None])
-        acc1 = mma_v2(pa, k.slice(128, 128, dim=1).load(B_OP), acc1 * alpha[:, None])
-        acc2 = mma_v2(pa, k.slice(256, 128, dim=1).load(B_OP), acc2 * alpha[:, None])
-        acc3 = mma_v2(pa, k.slice(384, 128, dim=1).load(B_OP), acc3 * alpha[:, None])
+        m_i, l_i, acc0, acc1, acc2, acc3 = _softmax_pv(s * qk_scale, m_i, l_i, acc0, acc1, acc2, acc3,
+                                                      p_smem, k, A_OP, B_OP)
     cp.wait_group(0)
     ho = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     do = gl.arange(0, 128, layout=gl.SliceLayout(0, MMA))
@@ -196,17 +201,6 @@ def compile_variant(cap: int, block_n: int, stages: int, direct: bool) -> dict:
 # Unsplit (one program = one token x 16 heads over all its topk indices), for s_q >= 64.
 # ------------------------------------------------------------------------------------------
 
-FP8_BITS_TIMES = gl.constexpr("""{
-    .reg .b32 a<2>;
-    prmt.b32 a0, $2, 0, 0x9180;
-    prmt.b32 a1, $2, 0, 0xB3A2;
-    shl.b32 a0, a0, 4;
-    shl.b32 a1, a1, 4;
-    and.b32 a0, a0, 0x87F087F0;
-    and.b32 a1, a1, 0x87F087F0;
-    mul.rn.bf16x2 $0, a0, $3;
-    mul.rn.bf16x2 $1, a1, $4;
-}""")
 
 
 @gluon.jit
@@ -328,19 +322,7 @@ def gluon_fp8_sparse_mla(Q, Q_ROPE, KV, KVH, KVF, IDX, OUT, LSE, n_slots, h_q, t
             cvt.slice(g * 128, 128, dim=1).store(v)
 
         s = gl.where(ok_c[None, :], s * qk_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        p_smem.store(p.to(gl.bfloat16))
-        _barrier()
-        pa = p_smem.load(A2)
-        acc0 = mma_v2(pa, cvt.slice(0, 128, dim=1).load(B2), acc0 * alpha[:, None])
-        acc1 = mma_v2(pa, cvt.slice(128, 128, dim=1).load(B2), acc1 * alpha[:, None])
-        acc2 = mma_v2(pa, cvt.slice(256, 128, dim=1).load(B2), acc2 * alpha[:, None])
-        acc3 = mma_v2(pa, cvt.slice(384, 128, dim=1).load(B2), acc3 * alpha[:, None])
+        m_i, l_i, acc0, acc1, acc2, acc3 = _softmax_pv(s, m_i, l_i, acc0, acc1, acc2, acc3, p_smem, cvt, A2, B2)
     cp.wait_group(0)
 
     empty = l_i == 0.0
