@@ -1,6 +1,6 @@
 """Issue 16's fp8_ds_mla path in Gluon (Triton's explicit-layout dialect,
-`triton.experimental.gluon`, Triton 3.6 and 3.7): a compile-only study of the key loop and a
-whole prototype kernel, with its correctness and timing on a GPU.
+`triton.experimental.gluon`, Triton 3.6 and 3.7): a compile-only study of the key loop and two
+whole prototype kernels, with their correctness and timing on a GPU.
 
 Compile-only (no GPU): each variant compiled for sm_120 (and sm_90), its shared memory,
 registers, spills and instruction mix printed. The question is whether Gluon can express the
@@ -8,20 +8,26 @@ loop that Triton's tl.dot cannot (docs/perf-kernels.md, "Fourth pass": the fp8 t
 sits between the gather and the first tensor-core instruction) within sm_120's 99 KB. One query
 token, 16 heads, BLOCK_N keys a step gathered with cp.async into a ring of STAGES raw rows:
 
-  staged:    (512 latent dims) every key tile converted (fp8 bytes -> bf16 x 2^-120, integer bit
-             moves) into a double-buffered bf16 tile in shared memory, tile i+1's conversion
-             issued between tile i's Q.K and P.V with no barrier between them;
-  direct:    (512 latent dims) Q.K reads the raw bytes straight into the tensor-core B-operand
-             layout (k_width 4: four consecutive key bytes per 32-bit shared load) and converts
-             them in registers, so Q.K needs no bf16 staging; only P.V's operand (keys along its
-             reduction) is converted into one bf16 tile;
-  prototype: `gluon_fp8_sparse_mla`, "direct" whole: the RoPE dims, the four per-128 scales
-             (on the logits for Q.K, in the conversion for P.V), invalid indices, the LSE; one
-             program per token and 16 heads over all its indices (no splits: for s_q >= 256).
+  staged:    (512 latent dims, study only) every key tile converted (fp8 bytes -> bf16 x 2^-120,
+             integer bit moves) into a double-buffered bf16 tile in shared memory;
+  direct:    (512 latent dims, study only) Q.K reads the raw bytes straight into the tensor-core
+             B-operand layout (k_width 4: four consecutive key bytes per 32-bit shared load) and
+             converts them in registers; P.V's operand is converted into one bf16 tile;
+  prototype: `gluon_fp8_sparse_mla`, whole (RoPE, the four per-128 scales, invalid indices, the
+             LSE; one program per token and 16 or 32 heads over all its indices, no splits: for
+             s_q >= 256). Q.K as "direct"; P.V reads the ring too, as 16-bit pairs of dims with
+             ldmatrix.trans, so that one register holds the same dim pair of two keys, which byte
+             permutes split into the even and the odd dim's operand (PAIR_SPLIT): no converted
+             tile. The scales go onto the logits (Q.K) and onto P (P.V, one P per group).
+  grouped:   `gluon_fp8_grouped`, the prototype with each of the 4 warps on one scale group as the
+             batch dimension of a batched mma_v2: q stays in registers (the prototype reloads all
+             of q from shared memory in every warp at every tile), the groups' logits meet in one
+             cross-warp sum, and each warp runs P.V for its group's 128 output dims.
 
-With --run (a CUDA GPU, mlafleet importable): the prototype against the float32 reference
+With --run (a CUDA GPU, mlafleet importable): the prototypes against the float32 reference
 (invalid and out-of-range indices, a row with nothing valid) and against mlafleet's Triton
-launcher, then both timed by CUDA-graph replay (bench/cuda_timing.py).
+launcher, then timed by CUDA-graph replay (bench/cuda_timing.py) beside the Triton launcher's
+fp8 and bf16 times.
 
     PYTHONPATH=. python bench/gluon_fp8_probe.py [--cap 120] [--cap 90]   # compile-only, any machine
     PYTHONPATH=. python bench/gluon_fp8_probe.py --run            # on the GPU
@@ -47,7 +53,19 @@ _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 # fp8 bytes -> bf16 x 2^-120 (and times a bf16 factor): the bit moves of the Triton kernels'
 # `_fp8_bits_as_bf16`, the same PTX
 PTX = gl.constexpr("{" + _FP8_BITS_PTX.value + "mov.b32 $0, a0;\nmov.b32 $1, a1;\n}")
-FP8_BITS_TIMES = gl.constexpr("{" + _FP8_BITS_PTX.value + "mul.rn.bf16x2 $0, a0, $3;\nmul.rn.bf16x2 $1, a1, $4;\n}")
+# P.V straight from the raw bytes: the ring read as 16-bit pairs (dims 2c, 2c+1 of a key) into the
+# bf16 B-operand layout (keys along k: ldmatrix.trans), so one 32-bit register holds the pair c of
+# keys k and k+1, bytes [x(k,2c), x(k,2c+1), x(k+1,2c), x(k+1,2c+1)]; the byte permutes split it
+# into dim 2c's and dim 2c+1's pair of keys ($0, $1), then the same bit moves as PTX
+PAIR_SPLIT = gl.constexpr("""{
+    .reg .b32 a<2>;
+    prmt.b32 a0, $2, 0, 0xA280;
+    prmt.b32 a1, $2, 0, 0xB391;
+    shl.b32 a0, a0, 4;
+    shl.b32 a1, a1, 4;
+    and.b32 $0, a0, 0x87F087F0;
+    and.b32 $1, a1, 0x87F087F0;
+}""")
 
 
 @gluon.jit
@@ -171,13 +189,17 @@ def probe_kernel(Q, KV, IDX, OUT, topk, qk_scale,
     gl.store(o + 384, (acc3 * inv[:, None]).to(gl.bfloat16))
 
 
-def _compile(fn, cap: int, signature: dict, constexprs: dict, aligned) -> dict:
-    """fn compiled for sm_<cap> (4 warps): shared bytes, registers, spill stack, instruction counts."""
+def _compile(fn, cap: int, signature: dict, constexprs: dict, aligned, maxnreg: int | None = None,
+             num_warps: int = 4) -> dict:
+    """fn compiled for sm_<cap> (ptxas's .maxnreg if given): shared bytes, registers, spill stack,
+    instruction counts."""
     names = list(fn.arg_names)
     sig = {**signature, **{n: "constexpr" for n in (*constexprs, "num_warps")}}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = gluon._runtime.GluonASTSource(fn=fn, signature=sig, constexprs={**constexprs, "num_warps": 4}, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": 4})
+    src = gluon._runtime.GluonASTSource(fn=fn, signature=sig, constexprs={**constexprs, "num_warps": num_warps},
+                                        attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", cap, 32),
+                              options={"num_warps": num_warps, "maxnreg": maxnreg})
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     with tempfile.TemporaryDirectory() as t:
         Path(t, "k.cubin").write_bytes(compiled.asm["cubin"])
@@ -204,6 +226,27 @@ def compile_variant(cap: int, block_n: int, stages: int, direct: bool) -> dict:
 
 
 @gluon.jit
+def _qk_group(q_g, raw_g, zero, A4: gl.constexpr, B4: gl.constexpr):
+    """q_g . x_g for one group of 128 dims: the raw bytes straight into the B-operand layout
+    (k_width 4), converted in registers (x * 2^-120)."""
+    kb = gl.inline_asm_elementwise(PTX, "=r,=r,r", [raw_g.permute([1, 0]).load(B4)], dtype=gl.bfloat16,
+                                   is_pure=True, pack=4)
+    return mma_v2(q_g.load(A4), kb, zero)
+
+
+@gluon.jit
+def _pv_pairs(pa, pairs, acc_even, acc_odd, alpha, B2: gl.constexpr):
+    """P_g . x_g for one group of 128 dims read as 64 16-bit pairs [BLOCK_N, 64]: the even dims
+    into acc_even, the odd ones into acc_odd (PAIR_SPLIT)."""
+    v = pairs.load(B2)
+    even, odd = gl.inline_asm_elementwise(PAIR_SPLIT, "=r,=r,r", [v], dtype=(gl.bfloat16, gl.bfloat16),
+                                          is_pure=True, pack=2)
+    acc_even = mma_v2(pa, even, acc_even * alpha[:, None])
+    acc_odd = mma_v2(pa, odd, acc_odd * alpha[:, None])
+    return acc_even, acc_odd
+
+
+@gluon.jit
 def _issue_gather(raw, rope, t, n_tiles, idx_raw, idx_rope, n_slots, KV, KVH,
                   STAGES: gl.constexpr, RAW_L: gl.constexpr, ROPE_L: gl.constexpr):
     """cp.async of tile t's rows into ring slot t % STAGES: the 512 fp8 bytes and the 64 RoPE
@@ -224,18 +267,20 @@ def gluon_fp8_sparse_mla(Q, Q_ROPE, KV, KVH, KVF, IDX, OUT, LSE, n_slots, h_q, t
                          qk_scale_log2,
                          stride_q_tok, stride_q_head, stride_qr_tok, stride_qr_head, stride_idx_tok,
                          stride_out_tok, stride_out_head,
-                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SWIZZLE: gl.constexpr,
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BLOCK_H: gl.constexpr,
                          num_warps: gl.constexpr):
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, num_warps], instr_shape=[16, 8])
+    # BLOCK_H heads a program (16 or 32) over num_warps = 4 x BLOCK_H / 16 warps: 4 warps along
+    # the keys (Q.K) and the output dims (P.V), BLOCK_H / 16 along the heads; a 32-head block
+    # gathers each key once for its 32 heads
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps // 4, 4],
+                                                  instr_shape=[16, 8])
     A2: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B2: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     A4: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
     B4: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
     RAW_L: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [num_warps, 1], [1, 0])
-    G_L: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])
     ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-    PLAIN: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     SWZ: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
     COL: gl.constexpr = gl.SliceLayout(0, MMA)
     ROW: gl.constexpr = gl.SliceLayout(1, MMA)
@@ -245,26 +290,27 @@ def gluon_fp8_sparse_mla(Q, Q_ROPE, KV, KVH, KVF, IDX, OUT, LSE, n_slots, h_q, t
     tok = (pid // n_head_blocks).to(gl.int64)
 
     # q: the latent part times 2^100 (the keys arrive as x * 2^-120), RoPE as is, in shared memory
-    hq = head_block * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, Q_L))
+    hq = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, Q_L))
     dq = gl.arange(0, 128, layout=gl.SliceLayout(0, Q_L))
     hmask = (hq < h_q)[:, None]
     q_base = Q + tok * stride_q_tok + hq.to(gl.int64)[:, None] * stride_q_head + dq[None, :]
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [4, 16, 128], SWZ)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_H, 128], SWZ)
     for g in gl.static_range(4):
         qg = gl.load(q_base + g * 128, mask=hmask, other=0.0).to(gl.float32) * 1.2676506002282294e30
         q_smem.index(g).store(qg.to(gl.bfloat16))
     dr = gl.arange(0, 64, layout=gl.SliceLayout(0, Q_L))
     qr = gl.load(Q_ROPE + tok * stride_qr_tok + hq.to(gl.int64)[:, None] * stride_qr_head + dr[None, :],
                  mask=hmask, other=0.0)
-    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [16, 64], SWZ)
+    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], SWZ)
     qr_smem.store(qr)
 
-    # the ring swizzled in 16-byte chunks: the Q.K operand loads read 4 bytes of 8 keys at once
+    # the ring, swizzled in 16-byte chunks (the Q.K operand loads read 4 bytes of 8 keys at once);
+    # P.V reads it too, as 16-bit pairs with the same swizzle. P once per scale group.
     RAW_S: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
-    raw = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], RAW_S if SWIZZLE else PLAIN)
-    rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SWZ if SWIZZLE else PLAIN)
-    cvt = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 512], SWZ)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [16, BLOCK_N], SWZ)
+    PAIRS_S: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+    raw = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], RAW_S)
+    rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SWZ)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_H, BLOCK_N], SWZ)
 
     idx_base = IDX + tok * stride_idx_tok
     n_tiles = topk // BLOCK_N
@@ -278,17 +324,21 @@ def gluon_fp8_sparse_mla(Q, Q_ROPE, KV, KVH, KVF, IDX, OUT, LSE, n_slots, h_q, t
     nxt_raw = gl.load(idx_base + nt * BLOCK_N + r_raw, mask=nt < n_tiles, other=-1)
     nxt_rope = gl.load(idx_base + nt * BLOCK_N + r_rope, mask=nt < n_tiles, other=-1)
 
-    m_i = gl.full([16], float("-inf"), gl.float32, layout=ROW)
-    l_i = gl.zeros([16], gl.float32, layout=ROW)
-    acc0 = gl.zeros([16, 128], gl.float32, layout=MMA)
-    acc1 = gl.zeros([16, 128], gl.float32, layout=MMA)
-    acc2 = gl.zeros([16, 128], gl.float32, layout=MMA)
-    acc3 = gl.zeros([16, 128], gl.float32, layout=MMA)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=ROW)
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=ROW)
+    # acc0-3: the even dims of each group of 128, acc4-7: the odd ones (_pv_pairs)
+    acc0 = gl.zeros([BLOCK_H, 64], gl.float32, layout=MMA)
+    acc1 = gl.zeros([BLOCK_H, 64], gl.float32, layout=MMA)
+    acc2 = gl.zeros([BLOCK_H, 64], gl.float32, layout=MMA)
+    acc3 = gl.zeros([BLOCK_H, 64], gl.float32, layout=MMA)
+    acc4 = gl.zeros([BLOCK_H, 64], gl.float32, layout=MMA)
+    acc5 = gl.zeros([BLOCK_H, 64], gl.float32, layout=MMA)
+    acc6 = gl.zeros([BLOCK_H, 64], gl.float32, layout=MMA)
+    acc7 = gl.zeros([BLOCK_H, 64], gl.float32, layout=MMA)
     kc = gl.arange(0, BLOCK_N, layout=COL)
-    kg = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, G_L))
     for i in range(n_tiles):
         cp.wait_group(STAGES - 2)
-        _barrier()  # tile i landed; every warp is past tile i-1 (its ring slot, cvt and p_smem are free)
+        _barrier()  # tile i landed; every warp is past tile i-1 (its ring slot and p_smem are free)
         _issue_gather(raw, rope, i + STAGES - 1, n_tiles, nxt_raw, nxt_rope, n_slots, KV, KVH, STAGES, RAW_L, ROPE_L)
         ahead = i + STAGES
         nxt_raw = gl.load(idx_base + ahead * BLOCK_N + r_raw, mask=ahead < n_tiles, other=-1)
@@ -299,47 +349,213 @@ def gluon_fp8_sparse_mla(Q, Q_ROPE, KV, KVH, KVF, IDX, OUT, LSE, n_slots, h_q, t
         idx_c = gl.load(idx_base + i * BLOCK_N + kc)
         ok_c = (idx_c >= 0) & (idx_c < n_slots)
         sc_c = KVF + idx_c.to(gl.int64) * 164 + 128
-        idx_g = gl.load(idx_base + i * BLOCK_N + kg)
-        ok_g = (idx_g >= 0) & (idx_g < n_slots)
-        sc_g = KVF + idx_g.to(gl.int64) * 164 + 128
 
-        # Q.K: the raw bytes straight into the B-operand layout, converted in registers; each
-        # group's partial logits times its scale (and the 2^20 left by q * 2^100 * x * 2^-120)
-        zero = gl.zeros([16, BLOCK_N], gl.float32, layout=MMA)
+        # Q.K: each group's partial logits times its scale (and the 2^20 left by q * 2^100 * x * 2^-120)
+        zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=MMA)
         s = mma_v2(qr_smem.load(A2), rope.index(slot).permute([1, 0]).load(B2), zero)
-        for g in gl.static_range(4):
-            kb = r.slice(g * 128, 128, dim=1).permute([1, 0]).load(B4)
-            kb = gl.inline_asm_elementwise(PTX, "=r,=r,r", [kb], dtype=gl.bfloat16, is_pure=True, pack=4)
-            sg = mma_v2(q_smem.index(g).load(A4), kb, zero)
-            scale = gl.load(sc_c + g, mask=ok_c, other=0.0) * 1048576.0
-            s = s + sg * scale[None, :]
-        # P.V's operand: each group x * scale (exact in bf16 for power-of-two scales), one tile
-        for g in gl.static_range(4):
-            f = (gl.load(sc_g + g, mask=ok_g, other=0.0) * 1.329227995784916e36).to(gl.bfloat16)  # scale * 2^120
-            rg = r.slice(g * 128, 128, dim=1).load(G_L)
-            v = gl.inline_asm_elementwise(FP8_BITS_TIMES, "=r,=r,r,r,r", [rg, gl.broadcast(f[:, None], rg)[0]],
-                                          dtype=gl.bfloat16, is_pure=True, pack=4)
-            cvt.slice(g * 128, 128, dim=1).store(v)
-
+        sc0 = gl.load(sc_c + 0, mask=ok_c, other=0.0) * 1048576.0
+        sc1 = gl.load(sc_c + 1, mask=ok_c, other=0.0) * 1048576.0
+        sc2 = gl.load(sc_c + 2, mask=ok_c, other=0.0) * 1048576.0
+        sc3 = gl.load(sc_c + 3, mask=ok_c, other=0.0) * 1048576.0
+        s = s + _qk_group(q_smem.index(0), r.slice(0, 128, dim=1), zero, A4, B4) * sc0[None, :]
+        s = s + _qk_group(q_smem.index(1), r.slice(128, 128, dim=1), zero, A4, B4) * sc1[None, :]
+        s = s + _qk_group(q_smem.index(2), r.slice(256, 128, dim=1), zero, A4, B4) * sc2[None, :]
+        s = s + _qk_group(q_smem.index(3), r.slice(384, 128, dim=1), zero, A4, B4) * sc3[None, :]
         s = gl.where(ok_c[None, :], s * qk_scale_log2, float("-inf"))
-        m_i, l_i, acc0, acc1, acc2, acc3 = _softmax_pv(s, m_i, l_i, acc0, acc1, acc2, acc3, p_smem, cvt, A2, B2)
+
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        # P.V: P_g = p * scale_g * 2^100 (the scales carry 2^20 already), x_g straight from the
+        # ring as x * 2^-120: the accumulators hold 2^-20 times the output
+        p_smem.index(0).store((p * (sc0 * 1.2089258196146292e24)[None, :]).to(gl.bfloat16))
+        p_smem.index(1).store((p * (sc1 * 1.2089258196146292e24)[None, :]).to(gl.bfloat16))
+        p_smem.index(2).store((p * (sc2 * 1.2089258196146292e24)[None, :]).to(gl.bfloat16))
+        p_smem.index(3).store((p * (sc3 * 1.2089258196146292e24)[None, :]).to(gl.bfloat16))
+        _barrier()
+        pairs = r._reinterpret(gl.int16, [BLOCK_N, 256], PAIRS_S)
+        acc0, acc4 = _pv_pairs(p_smem.index(0).load(A2), pairs.slice(0, 64, dim=1), acc0, acc4, alpha, B2)
+        acc1, acc5 = _pv_pairs(p_smem.index(1).load(A2), pairs.slice(64, 64, dim=1), acc1, acc5, alpha, B2)
+        acc2, acc6 = _pv_pairs(p_smem.index(2).load(A2), pairs.slice(128, 64, dim=1), acc2, acc6, alpha, B2)
+        acc3, acc7 = _pv_pairs(p_smem.index(3).load(A2), pairs.slice(192, 64, dim=1), acc3, acc7, alpha, B2)
     cp.wait_group(0)
 
     empty = l_i == 0.0
-    inv = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
-    ho = head_block * 16 + gl.arange(0, 16, layout=ROW)
-    do = gl.arange(0, 128, layout=COL)
+    inv = gl.where(empty, 0.0, 1048576.0 / gl.where(empty, 1.0, l_i))[:, None]  # 2^20: see P.V
+    ho = head_block * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW)
     omask = (ho < h_q)[:, None]
+    do = 2 * gl.arange(0, 64, layout=COL)
     o = OUT + tok * stride_out_tok + ho.to(gl.int64)[:, None] * stride_out_head + do[None, :]
-    gl.store(o, (acc0 * inv[:, None]).to(gl.bfloat16), mask=omask)
-    gl.store(o + 128, (acc1 * inv[:, None]).to(gl.bfloat16), mask=omask)
-    gl.store(o + 256, (acc2 * inv[:, None]).to(gl.bfloat16), mask=omask)
-    gl.store(o + 384, (acc3 * inv[:, None]).to(gl.bfloat16), mask=omask)
+    gl.store(o, (acc0 * inv).to(gl.bfloat16), mask=omask)
+    gl.store(o + 128, (acc1 * inv).to(gl.bfloat16), mask=omask)
+    gl.store(o + 256, (acc2 * inv).to(gl.bfloat16), mask=omask)
+    gl.store(o + 384, (acc3 * inv).to(gl.bfloat16), mask=omask)
+    gl.store(o + 1, (acc4 * inv).to(gl.bfloat16), mask=omask)
+    gl.store(o + 129, (acc5 * inv).to(gl.bfloat16), mask=omask)
+    gl.store(o + 257, (acc6 * inv).to(gl.bfloat16), mask=omask)
+    gl.store(o + 385, (acc7 * inv).to(gl.bfloat16), mask=omask)
     lse = gl.where(empty, float("inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     gl.store(LSE + tok * h_q + ho, lse, mask=ho < h_q)
 
 
-def gluon_fp8_fwd(q, cache, idx, sm_scale, block_n=32, stages=2, swizzle=True):
+# ------------------------------------------------------------------------------------------
+# "grouped": the same tile with each warp on one scale group (128 latent dims) as the batch
+# dimension of a batched mma_v2: its q group stays in registers (no shared-memory reload of q
+# at each tile), Q.K's partial logits of the four groups meet in one cross-warp sum, and each
+# warp then computes P.V for its own group's 128 output dims. The ring is group-major
+# ([STAGES, 4, BLOCK_N, 128] bytes) so that each group's tile keeps the 2-D swizzle.
+# ------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _issue_gather_grouped(raw, rope, t, n_tiles, idx_raw, idx_rope, n_slots, KV, KVH,
+                          STAGES: gl.constexpr, RAW3: gl.constexpr, ROPE3: gl.constexpr):
+    g = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, RAW3)))
+    c = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, RAW3)))
+    ok = (idx_raw >= 0) & (idx_raw < n_slots) & (t < n_tiles)
+    ptr = KV + idx_raw.to(gl.int64)[None, :, None] * 656 + g[:, None, None] * 128 + c[None, None, :]
+    cp.async_copy_global_to_shared(raw.index(t % STAGES), ptr, mask=gl.broadcast(ok[None, :, None], ptr)[0])
+    gr = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, ROPE3)))
+    cr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, ROPE3)))
+    rok = (idx_rope >= 0) & (idx_rope < n_slots) & (t < n_tiles)
+    rptr = KVH + idx_rope.to(gl.int64)[None, :, None] * 328 + 264 + gr[:, None, None] * 16 + cr[None, None, :]
+    cp.async_copy_global_to_shared(rope.index(t % STAGES), rptr, mask=gl.broadcast(rok[None, :, None], rptr)[0])
+    cp.commit_group()
+
+
+@gluon.jit
+def gluon_fp8_grouped(Q, Q_ROPE, KV, KVH, KVF, IDX, OUT, LSE, n_slots, h_q, topk, n_head_blocks,
+                      qk_scale_log2,
+                      stride_q_tok, stride_q_head, stride_qr_tok, stride_qr_head, stride_idx_tok,
+                      stride_out_tok, stride_out_head,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    gl.static_assert(num_warps == 4, "one warp per scale group")
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
+    A2: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B2: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    A4: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
+    B4: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
+    S2: gl.constexpr = gl.SliceLayout(0, MMA)  # [16 heads, BLOCK_N keys]: the summed logits, in every warp
+    ROW: gl.constexpr = gl.SliceLayout(1, S2)
+    COL: gl.constexpr = gl.SliceLayout(0, S2)
+    GK: gl.constexpr = gl.SliceLayout(1, MMA)  # [4 groups, BLOCK_N keys]: the scales
+    RAW3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 4, 8], [4, 1, 1], [2, 1, 0])
+    ROPE3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 16, 2], [4, 1, 1], [2, 1, 0])
+    Q3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [4, 1, 1], [2, 1, 0])
+    RAW_S: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[2, 1, 0])
+    PAIRS_S: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0])
+    ROPE_S: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=4, max_phase=2, order=[2, 1, 0])
+
+    pid = gl.program_id(0)
+    head_block = pid % n_head_blocks
+    tok = (pid // n_head_blocks).to(gl.int64)
+
+    # q in registers, group g in warp g: the latent part times 2^100, RoPE dims 16g..16g+15
+    g3 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, Q3)))
+    h3 = head_block * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, Q3)))
+    d3 = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, Q3)))
+    hm = gl.broadcast((h3 < h_q)[None, :, None], g3[:, None, None])[0]
+    qp = Q + tok * stride_q_tok + h3.to(gl.int64)[None, :, None] * stride_q_head + g3[:, None, None] * 128 + d3[None, None, :]
+    q_lat = gl.load(qp, mask=gl.broadcast(hm, qp)[0], other=0.0).to(gl.float32) * 1.2676506002282294e30
+    q_lat = gl.convert_layout(q_lat.to(gl.bfloat16), A4)
+    d16 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, Q3)))
+    rp = (Q_ROPE + tok * stride_qr_tok + h3.to(gl.int64)[None, :, None] * stride_qr_head + g3[:, None, None] * 16
+          + d16[None, None, :])
+    q_rope = gl.convert_layout(gl.load(rp, mask=gl.broadcast(hm, rp)[0], other=0.0), A2)
+
+    raw = gl.allocate_shared_memory(gl.uint8, [STAGES, 4, BLOCK_N, 128], RAW_S)
+    rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4, BLOCK_N, 16], ROPE_S)
+
+    idx_base = IDX + tok * stride_idx_tok
+    n_tiles = topk // BLOCK_N
+    r_raw = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, RAW3)))
+    r_rope = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, ROPE3)))
+    for t in gl.static_range(STAGES - 1):
+        _issue_gather_grouped(raw, rope, t, n_tiles, gl.load(idx_base + t * BLOCK_N + r_raw, mask=t < n_tiles, other=-1),
+                              gl.load(idx_base + t * BLOCK_N + r_rope, mask=t < n_tiles, other=-1), n_slots, KV, KVH,
+                              STAGES, RAW3, ROPE3)
+    nt = STAGES - 1
+    nxt_raw = gl.load(idx_base + nt * BLOCK_N + r_raw, mask=nt < n_tiles, other=-1)
+    nxt_rope = gl.load(idx_base + nt * BLOCK_N + r_rope, mask=nt < n_tiles, other=-1)
+
+    m_i = gl.full([16], float("-inf"), gl.float32, layout=ROW)
+    l_i = gl.zeros([16], gl.float32, layout=ROW)
+    acc_e = gl.zeros([4, 16, 64], gl.float32, layout=MMA)  # group g's even output dims, in warp g
+    acc_o = gl.zeros([4, 16, 64], gl.float32, layout=MMA)  # ... and its odd ones
+    kc = gl.arange(0, BLOCK_N, layout=COL)
+    gk = gl.arange(0, 4, layout=gl.SliceLayout(1, GK))
+    kk = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, GK))
+    zero = gl.zeros([4, 16, BLOCK_N], gl.float32, layout=MMA)
+    for i in range(n_tiles):
+        cp.wait_group(STAGES - 2)
+        _barrier()
+        _issue_gather_grouped(raw, rope, i + STAGES - 1, n_tiles, nxt_raw, nxt_rope, n_slots, KV, KVH, STAGES,
+                              RAW3, ROPE3)
+        ahead = i + STAGES
+        nxt_raw = gl.load(idx_base + ahead * BLOCK_N + r_raw, mask=ahead < n_tiles, other=-1)
+        nxt_rope = gl.load(idx_base + ahead * BLOCK_N + r_rope, mask=ahead < n_tiles, other=-1)
+
+        slot = i % STAGES
+        r = raw.index(slot)
+        idx_c = gl.load(idx_base + i * BLOCK_N + kc)
+        ok_c = (idx_c >= 0) & (idx_c < n_slots)
+        idx_k = gl.load(idx_base + i * BLOCK_N + kk)
+        ok_k = (idx_k >= 0) & (idx_k < n_slots)
+        sc = gl.load(KVF + idx_k.to(gl.int64)[None, :] * 164 + 128 + gk[:, None],
+                     mask=gl.broadcast(ok_k[None, :], gk[:, None])[0], other=0.0) * 1048576.0  # [4, BLOCK_N]
+
+        kb = gl.inline_asm_elementwise(PTX, "=r,=r,r", [r.permute([0, 2, 1]).load(B4)], dtype=gl.bfloat16,
+                                       is_pure=True, pack=4)
+        s_part = mma_v2(q_lat, kb, zero) * sc[:, None, :]
+        s_part = mma_v2(q_rope, rope.index(slot).permute([0, 2, 1]).load(B2), s_part)
+        s = gl.sum(s_part, axis=0)  # the four groups' logits: across the warps
+        s = gl.where(ok_c[None, :], s * qk_scale_log2, float("-inf"))
+
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        # P_g = p * scale_g * 2^100 in warp g, x_g straight from the ring (x * 2^-120)
+        pg = (gl.expand_dims(p, 0) * (sc * 1.2089258196146292e24)[:, None, :]).to(gl.bfloat16)
+        pa = gl.convert_layout(pg, A2)
+        v = r._reinterpret(gl.int16, [4, BLOCK_N, 64], PAIRS_S).load(B2)
+        even, odd = gl.inline_asm_elementwise(PAIR_SPLIT, "=r,=r,r", [v], dtype=(gl.bfloat16, gl.bfloat16),
+                                              is_pure=True, pack=2)
+        a3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, gl.SliceLayout(2, MMA))), 0), 2)
+        acc_e = mma_v2(pa, even, acc_e * a3)
+        acc_o = mma_v2(pa, odd, acc_o * a3)
+    cp.wait_group(0)
+
+    empty = l_i == 0.0
+    inv = gl.where(empty, 0.0, 1048576.0 / gl.where(empty, 1.0, l_i))
+    inv3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(0, gl.SliceLayout(2, MMA))), 0), 2)
+    go = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
+    ho = head_block * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
+    co = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
+    o = (OUT + tok * stride_out_tok + ho.to(gl.int64)[None, :, None] * stride_out_head + go[:, None, None] * 128
+         + 2 * co[None, None, :])
+    om = gl.broadcast((ho < h_q)[None, :, None], o)[0]
+    gl.store(o, (acc_e * inv3).to(gl.bfloat16), mask=om)
+    gl.store(o + 1, (acc_o * inv3).to(gl.bfloat16), mask=om)
+    hl = head_block * 16 + gl.arange(0, 16, layout=ROW)
+    lse = gl.where(empty, float("inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    gl.store(LSE + tok * h_q + hl, lse, mask=hl < h_q)
+
+
+def compile_grouped(cap: int, block_n: int = 32, stages: int = 2, maxnreg: int | None = None) -> dict:
+    ptrs = {"Q": "*bf16", "Q_ROPE": "*bf16", "KV": "*u8", "KVH": "*bf16", "KVF": "*fp32", "IDX": "*i32",
+            "OUT": "*bf16", "LSE": "*fp32"}
+    ints = ("n_slots", "h_q", "topk", "n_head_blocks", "stride_q_tok", "stride_q_head", "stride_qr_tok",
+            "stride_qr_head", "stride_idx_tok", "stride_out_tok", "stride_out_head")
+    sig = {**ptrs, **{n: "i32" for n in ints}, "qk_scale_log2": "fp32"}
+    return _compile(gluon_fp8_grouped, cap, sig, {"BLOCK_N": block_n, "STAGES": stages}, tuple(ptrs), maxnreg)
+
+
+def gluon_fp8_fwd(q, cache, idx, sm_scale, block_n=32, stages=2, block_h=16, grouped=False):
     """out [s_q, h_q, 512] bf16, lse [s_q, h_q] for q [s_q, h_q, 576] bf16 over the fp8_ds_mla
     rows `cache` (uint8, contiguous rows of 656 bytes) at idx [s_q, 1, topk] int32."""
     import torch
@@ -350,16 +566,33 @@ def gluon_fp8_fwd(q, cache, idx, sm_scale, block_n=32, stages=2, swizzle=True):
     rows = cache.reshape(-1, 656)
     out = q.new_empty((s_q, h_q, 512))
     lse = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
-    hb = (h_q + 15) // 16
+    hb = (h_q + block_h - 1) // block_h
+    if grouped:
+        assert block_h == 16
+        gluon_fp8_grouped[(s_q * hb,)](
+            q[..., :512], q[..., 512:], rows, rows.view(torch.bfloat16), rows.view(torch.float32),
+            idx, out, lse, rows.shape[0], h_q, topk, hb, sm_scale * 1.4426950408889634,
+            q.stride(0), q.stride(1), q.stride(0), q.stride(1), idx.stride(0), out.stride(0), out.stride(1),
+            BLOCK_N=block_n, STAGES=stages, num_warps=4)
+        return out, lse
     gluon_fp8_sparse_mla[(s_q * hb,)](
         q[..., :512], q[..., 512:], rows, rows.view(torch.bfloat16), rows.view(torch.float32),
         idx, out, lse, rows.shape[0], h_q, topk, hb, sm_scale * 1.4426950408889634,
         q.stride(0), q.stride(1), q.stride(0), q.stride(1), idx.stride(0), out.stride(0), out.stride(1),
-        BLOCK_N=block_n, STAGES=stages, SWIZZLE=swizzle, num_warps=4)
+        BLOCK_N=block_n, STAGES=stages, BLOCK_H=block_h, num_warps=4 * block_h // 16)
     return out, lse
 
 
-def run_on_gpu(stages_list) -> None:
+def _label(v: dict) -> str:
+    return ("grouped, " if v.get("grouped") else "") + f"h{v.get('block_h', 16)}, {v.get('stages', 2)} stages"
+
+
+# the variants --run times: 16 heads a program with 2 and 3 ring stages, 32 heads a program
+RUN_VARIANTS = [{"stages": 2}, {"stages": 3}, {"stages": 2, "grouped": True}, {"stages": 3, "grouped": True},
+                {"stages": 4, "grouped": True}]
+
+
+def run_on_gpu(variants) -> None:
     """Correctness against the float32 reference and our Triton launcher, then CUDA-graph timing
     of the prototype against the launcher at s_q >= 64 (one process; 2M-slot cache, topk 2048)."""
     import sys as _sys
@@ -374,7 +607,7 @@ def run_on_gpu(stages_list) -> None:
     s_kv, topk = 2_000_000, 2048
     kv = (torch.randn((s_kv, 576), device=dev, generator=gen) * 0.5).to(torch.bfloat16)
     cache = sm.quantize_fp8_ds_mla(kv)
-    del kv
+    kv = kv.view(s_kv, 1, 576)  # for the bf16 launcher's time beside it (issue 16: fp8 <= 0.7x of it)
     print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}")
     # correctness: 4 tokens, invalid and out-of-range indices, a row with nothing valid
     for h_q in (8, 16, 32):
@@ -384,44 +617,47 @@ def run_on_gpu(stages_list) -> None:
         idx[:, :, 7::29] = s_kv + 3
         idx[-1] = -1
         ref_o, ref_l = sm.reference_sparse_mla_fp8(q, cache, idx, scale)
-        for st, sw in stages_list:
-            o, lse = gluon_fp8_fwd(q, cache, idx, scale, stages=st, swizzle=sw)
+        for v in variants:
+            o, lse = gluon_fp8_fwd(q, cache, idx, scale, **v)
             err = ((o.float() - ref_o).norm(dim=-1) / ref_o.norm(dim=-1).clamp_min(1e-6))[:3].max().item()
             empty_ok = bool((o[-1] == 0).all()) and bool(torch.isinf(lse[-1]).all())
             lse_err = (lse[:3] - ref_l[:3]).abs().max().item()
-            print(f"check h_q {h_q} stages {st} swizzled {sw}: worst row error {err:.2e}, lse error {lse_err:.1e}, empty row {empty_ok}")
-    print("| s_q x h_q | ours (Triton launcher) us | " + " | ".join(f"Gluon, {st} stages{', swizzled' if sw else ''} us" for st, sw in stages_list)
-          + " | best / launcher | best % of copy |")
-    print("|---|---:|" + "---:|" * len(stages_list) + "---:|---:|")
-    for s_q, h_q in ((256, 8), (4096, 8), (4096, 16), (4096, 32)):
+            print(f"check h_q {h_q} {_label(v)}: worst row error {err:.2e}, lse error {lse_err:.1e}, empty row {empty_ok}")
+    print("| s_q x h_q | ours (Triton launcher) us | "
+          + " | ".join(f"Gluon, {_label(v)} us" for v in variants)
+          + " | best / launcher | Triton bf16 us | best / bf16 | best % of 4268 GB/s |")
+    print("|---|---:|" + "---:|" * len(variants) + "---:|---:|---:|---:|")
+    for s_q, h_q in ((256, 8), (4096, 8), (4096, 16), (256, 32), (4096, 32), (4096, 64)):
         sets = max(1, 2048 // s_q)
         qs = [torch.randn((s_q, h_q, 576), device=dev, generator=gen).to(torch.bfloat16) for _ in range(sets)]
         ids = [torch.randint(0, s_kv, (s_q, 1, topk), device=dev, dtype=torch.int32, generator=gen) for _ in range(sets)]
         ours = time_graph([lambda q=q, i=i: sm.sparse_mla_fwd_fp8(q, cache, i, scale) for q, i in zip(qs, ids)], 10)
-        row = []
-        for st, sw in stages_list:
-            row.append(time_graph([lambda q=q, i=i: gluon_fp8_fwd(q, cache, i, scale, stages=st, swizzle=sw)
+        bf16 = time_graph([lambda q=q, i=i: sm.sparse_mla_fwd(q, kv, i, scale) for q, i in zip(qs, ids)], 10)
+        row, agree = [], []
+        for v in variants:
+            row.append(time_graph([lambda q=q, i=i: gluon_fp8_fwd(q, cache, i, scale, **v)
                                    for q, i in zip(qs, ids)], 10))
-            o1 = gluon_fp8_fwd(qs[0], cache, ids[0], scale, stages=st, swizzle=sw)[0].float()
+            o1 = gluon_fp8_fwd(qs[0], cache, ids[0], scale, **v)[0].float()
             o2 = sm.sparse_mla_fwd_fp8(qs[0], cache, ids[0], scale)[0].float()
-            assert ((o1 - o2).norm(dim=-1) / o2.norm(dim=-1)).max().item() < 1e-2, "prototype and launcher disagree"
+            agree.append(((o1 - o2).norm(dim=-1) / o2.norm(dim=-1)).max().item() < 1e-2)
+        row = [t if ok else float("inf") for t, ok in zip(row, agree)]  # a variant that disagrees is not timed
         best = min(row)
         gbps = s_q * topk * 656 / best / 1e9
         print(f"| {s_q} x {h_q} | {ours * 1e6:.1f} | " + " | ".join(f"{t * 1e6:.1f}" for t in row)
-              + f" | {best / ours:.2f} | {gbps / 42.68:.0f}% |", flush=True)
+              + f" | {best / ours:.2f} | {bf16 * 1e6:.1f} | {best / bf16:.2f} | {gbps / 42.68:.0f}% |", flush=True)
 
 
 OPS = ("HMMA", "LDSM", "LDS", "STS", "LDGSTS", "BAR")
 
 
-def compile_prototype(cap: int, block_n: int, stages: int, swizzle: bool = True) -> dict:
+def compile_prototype(cap: int, block_n: int, stages: int, block_h: int = 16, maxnreg: int | None = None) -> dict:
     ptrs = {"Q": "*bf16", "Q_ROPE": "*bf16", "KV": "*u8", "KVH": "*bf16", "KVF": "*fp32", "IDX": "*i32",
             "OUT": "*bf16", "LSE": "*fp32"}
     ints = ("n_slots", "h_q", "topk", "n_head_blocks", "stride_q_tok", "stride_q_head", "stride_qr_tok",
             "stride_qr_head", "stride_idx_tok", "stride_out_tok", "stride_out_head")
     sig = {**ptrs, **{n: "i32" for n in ints}, "qk_scale_log2": "fp32"}
-    return _compile(gluon_fp8_sparse_mla, cap, sig, {"BLOCK_N": block_n, "STAGES": stages, "SWIZZLE": swizzle},
-                    tuple(ptrs))
+    return _compile(gluon_fp8_sparse_mla, cap, sig, {"BLOCK_N": block_n, "STAGES": stages, "BLOCK_H": block_h},
+                    tuple(ptrs), maxnreg, num_warps=4 * block_h // 16)
 
 
 def main() -> None:
@@ -431,16 +667,23 @@ def main() -> None:
                         "against the Triton launcher (needs mlafleet on PYTHONPATH)")
     args = parser.parse_args()
     if args.run:
-        run_on_gpu([(2, False), (2, True), (3, True)])
+        run_on_gpu(RUN_VARIANTS)
         return
     print("| target | variant | BLOCK_N | raw stages | shared bytes | fits 101376 | registers | stack (spills) | "
           + " | ".join(OPS) + " |")
     print("|---|---|---:|---:|---:|---|---:|---:|" + "---:|" * len(OPS))
     for cap in args.cap or [120]:
+        maxnreg = 255 if cap >= 120 else None  # as the launcher compiles for SM12x (one program an SM)
         for variant, block_n, stages in (("staged", 32, 3), ("direct", 32, 3), ("direct", 32, 2),
-                                         ("prototype", 32, 2), ("prototype", 32, 3)):
-            r = (compile_prototype(cap, block_n, stages) if variant == "prototype"
-                 else compile_variant(cap, block_n, stages, variant == "direct"))
+                                         ("prototype h16", 32, 2), ("prototype h16", 32, 3),
+                                         ("prototype h32", 32, 2), ("prototype h32", 32, 3),
+                                         ("grouped", 32, 2), ("grouped", 32, 3), ("grouped", 32, 4)):
+            if variant.startswith("prototype"):
+                r = compile_prototype(cap, block_n, stages, int(variant[-2:]), maxnreg)
+            elif variant == "grouped":
+                r = compile_grouped(cap, block_n, stages, maxnreg)
+            else:
+                r = compile_variant(cap, block_n, stages, variant == "direct")
             print(f"| sm_{cap} | {variant} | {block_n} | {stages} | {r['shared']} | "
                   f"{'yes' if r['shared'] <= 101376 else 'no'} | {r['registers']} | {r['stack']} | "
                   + " | ".join(str(r["ops"][o]) for o in OPS) + " |", flush=True)

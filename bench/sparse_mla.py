@@ -63,7 +63,7 @@ CASES = [(kind, s_q, h_q) for kind in ("bf16", "fp8") for s_q, h_q in SHAPES] + 
 CANDIDATES: dict[str, list[sm.KernelConfig]] = {
     dtype: [cfg for (d, _), cfg in sm.CONFIGS.items() if d == dtype] for dtype in ("bf16", "fp8")}
 # --sweep: split counts for every candidate at these (s_q, h_q)
-SPLIT_SWEEP = {(8, 8): (16, 32), (8, 64): (4, 8), (64, 32): (1, 2), (64, 64): (1, 2)}
+SPLIT_SWEEP = {(1, 8): (16, 64), (8, 8): (16, 32), (8, 64): (4, 8), (64, 32): (1, 2), (64, 64): (1, 2)}
 
 
 def cfg_name(cfg: sm.KernelConfig, kind: str = "fp8") -> str:
@@ -344,6 +344,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="folder for sparse_mla.json and sparse_mla.md")
     parser.add_argument("--sweep", action="store_true", help="also time CANDIDATES and split counts")
     parser.add_argument("--warm", help="I/N: compile share I of N of the launches, then exit")
+    parser.add_argument("--only", choices=("bf16", "fp8"), help="time only this cache's cases (and sweep)")
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="check the script without a GPU: TRITON_INTERPRET=1, a small cache, a few cases")
     args = parser.parse_args()
@@ -351,6 +352,8 @@ def main() -> None:
         global DEV, S_KV, TOPK, CASES, L2_FLUSH_BYTES, CHECK_HEADS
         DEV, S_KV, TOPK, L2_FLUSH_BYTES, CHECK_HEADS = "cpu", 4096, 128, 1, (8, 32)
         CASES = [(kind, s_q, h_q) for kind in ("bf16", "fp8") for s_q, h_q in ((1, 8), (2, 32))]
+    if args.only:
+        CASES = [c for c in CASES if c[0] == args.only]
     before = importlib.import_module(args.before) if args.before else None
     if args.warm:
         shard, n = (int(x) for x in args.warm.split("/"))
