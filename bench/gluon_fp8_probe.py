@@ -247,6 +247,25 @@ def _pv_pairs(pa, pairs, acc_even, acc_odd, alpha, B2: gl.constexpr):
 
 
 @gluon.jit
+def _reserve_shared(PAD_KB: gl.constexpr, num_warps: gl.constexpr):
+    """PAD_KB more KB of shared memory for the program, held from the kernel's start to its end
+    (_shared_kept): on the H200 (228 KB an SM) this caps the programs an SM holds at what sm_120's
+    99 KB allows, to time a kernel at SM12x's occupancy."""
+    pad = gl.allocate_shared_memory(gl.uint8, [PAD_KB * 1024],
+                                    gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+    pad.slice(0, 32 * num_warps).store(gl.zeros([32 * num_warps], gl.uint8,
+                                                layout=gl.BlockedLayout([1], [32], [num_warps], [0])))
+    return pad
+
+
+@gluon.jit
+def _shared_kept(pad, num_warps: gl.constexpr):
+    """0.0, read from the pad at the end, so that its allocation spans the whole kernel."""
+    keep = pad.slice(0, 32 * num_warps).load(gl.BlockedLayout([1], [32], [num_warps], [0]))
+    return gl.sum(keep.to(gl.float32), axis=0) * 0.0
+
+
+@gluon.jit
 def _issue_gather(raw, rope, t, n_tiles, idx_raw, idx_rope, n_slots, KV, KVH,
                   STAGES: gl.constexpr, RAW_L: gl.constexpr, ROPE_L: gl.constexpr):
     """cp.async of tile t's rows into ring slot t % STAGES: the 512 fp8 bytes and the 64 RoPE
@@ -268,7 +287,7 @@ def gluon_fp8_sparse_mla(Q, Q_ROPE, KV, KVH, KVF, IDX, OUT, LSE, n_slots, h_q, t
                          stride_q_tok, stride_q_head, stride_qr_tok, stride_qr_head, stride_idx_tok,
                          stride_out_tok, stride_out_head,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BLOCK_H: gl.constexpr,
-                         num_warps: gl.constexpr):
+                         num_warps: gl.constexpr, PAD_KB: gl.constexpr = 0):
     # BLOCK_H heads a program (16 or 32) over num_warps = 4 x BLOCK_H / 16 warps: 4 warps along
     # the keys (Q.K) and the output dims (P.V), BLOCK_H / 16 along the heads; a 32-head block
     # gathers each key once for its 32 heads
@@ -286,6 +305,8 @@ def gluon_fp8_sparse_mla(Q, Q_ROPE, KV, KVH, KVF, IDX, OUT, LSE, n_slots, h_q, t
     ROW: gl.constexpr = gl.SliceLayout(1, MMA)
 
     pid = gl.program_id(0)
+    if PAD_KB > 0:
+        pad = _reserve_shared(PAD_KB, num_warps)
     head_block = pid % n_head_blocks
     tok = (pid // n_head_blocks).to(gl.int64)
 
@@ -398,6 +419,8 @@ def gluon_fp8_sparse_mla(Q, Q_ROPE, KV, KVH, KVF, IDX, OUT, LSE, n_slots, h_q, t
     gl.store(o + 257, (acc6 * inv).to(gl.bfloat16), mask=omask)
     gl.store(o + 385, (acc7 * inv).to(gl.bfloat16), mask=omask)
     lse = gl.where(empty, float("inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    if PAD_KB > 0:
+        lse = lse + _shared_kept(pad, num_warps)
     gl.store(LSE + tok * h_q + ho, lse, mask=ho < h_q)
 
 
@@ -430,7 +453,8 @@ def gluon_fp8_grouped(Q, Q_ROPE, KV, KVH, KVF, IDX, OUT, LSE, n_slots, h_q, topk
                       qk_scale_log2,
                       stride_q_tok, stride_q_head, stride_qr_tok, stride_qr_head, stride_idx_tok,
                       stride_out_tok, stride_out_head,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+                      PAD_KB: gl.constexpr = 0):
     gl.static_assert(num_warps == 4, "one warp per scale group")
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
     A2: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -449,6 +473,8 @@ def gluon_fp8_grouped(Q, Q_ROPE, KV, KVH, KVF, IDX, OUT, LSE, n_slots, h_q, topk
     ROPE_S: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=4, max_phase=2, order=[2, 1, 0])
 
     pid = gl.program_id(0)
+    if PAD_KB > 0:
+        pad = _reserve_shared(PAD_KB, num_warps)
     head_block = pid % n_head_blocks
     tok = (pid // n_head_blocks).to(gl.int64)
 
@@ -543,6 +569,8 @@ def gluon_fp8_grouped(Q, Q_ROPE, KV, KVH, KVF, IDX, OUT, LSE, n_slots, h_q, topk
     gl.store(o + 1, (acc_o * inv3).to(gl.bfloat16), mask=om)
     hl = head_block * 16 + gl.arange(0, 16, layout=ROW)
     lse = gl.where(empty, float("inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    if PAD_KB > 0:
+        lse = lse + _shared_kept(pad, num_warps)
     gl.store(LSE + tok * h_q + hl, lse, mask=hl < h_q)
 
 
@@ -552,10 +580,11 @@ def compile_grouped(cap: int, block_n: int = 32, stages: int = 2, maxnreg: int |
     ints = ("n_slots", "h_q", "topk", "n_head_blocks", "stride_q_tok", "stride_q_head", "stride_qr_tok",
             "stride_qr_head", "stride_idx_tok", "stride_out_tok", "stride_out_head")
     sig = {**ptrs, **{n: "i32" for n in ints}, "qk_scale_log2": "fp32"}
-    return _compile(gluon_fp8_grouped, cap, sig, {"BLOCK_N": block_n, "STAGES": stages}, tuple(ptrs), maxnreg)
+    return _compile(gluon_fp8_grouped, cap, sig, {"BLOCK_N": block_n, "STAGES": stages, "PAD_KB": 0}, tuple(ptrs),
+                    maxnreg)
 
 
-def gluon_fp8_fwd(q, cache, idx, sm_scale, block_n=32, stages=2, block_h=16, grouped=False):
+def gluon_fp8_fwd(q, cache, idx, sm_scale, block_n=32, stages=2, block_h=16, grouped=False, pad_kb=0):
     """out [s_q, h_q, 512] bf16, lse [s_q, h_q] for q [s_q, h_q, 576] bf16 over the fp8_ds_mla
     rows `cache` (uint8, contiguous rows of 656 bytes) at idx [s_q, 1, topk] int32."""
     import torch
@@ -573,26 +602,50 @@ def gluon_fp8_fwd(q, cache, idx, sm_scale, block_n=32, stages=2, block_h=16, gro
             q[..., :512], q[..., 512:], rows, rows.view(torch.bfloat16), rows.view(torch.float32),
             idx, out, lse, rows.shape[0], h_q, topk, hb, sm_scale * 1.4426950408889634,
             q.stride(0), q.stride(1), q.stride(0), q.stride(1), idx.stride(0), out.stride(0), out.stride(1),
-            BLOCK_N=block_n, STAGES=stages, num_warps=4)
+            BLOCK_N=block_n, STAGES=stages, num_warps=4, PAD_KB=pad_kb)
         return out, lse
     gluon_fp8_sparse_mla[(s_q * hb,)](
         q[..., :512], q[..., 512:], rows, rows.view(torch.bfloat16), rows.view(torch.float32),
         idx, out, lse, rows.shape[0], h_q, topk, hb, sm_scale * 1.4426950408889634,
         q.stride(0), q.stride(1), q.stride(0), q.stride(1), idx.stride(0), out.stride(0), out.stride(1),
-        BLOCK_N=block_n, STAGES=stages, BLOCK_H=block_h, num_warps=4 * block_h // 16)
+        BLOCK_N=block_n, STAGES=stages, BLOCK_H=block_h, num_warps=4 * block_h // 16, PAD_KB=pad_kb)
     return out, lse
 
 
 def _label(v: dict) -> str:
-    return ("grouped, " if v.get("grouped") else "") + f"h{v.get('block_h', 16)}, {v.get('stages', 2)} stages"
+    return (("grouped, " if v.get("grouped") else "") + f"h{v.get('block_h', 16)}, {v.get('stages', 2)} stages"
+            + (f", +{v['pad_kb']} KB" if v.get("pad_kb") else ""))
 
 
 # the variants --run times: 16 heads a program with 2 and 3 ring stages, 32 heads a program
 RUN_VARIANTS = [{"stages": 2}, {"stages": 3}, {"stages": 2, "grouped": True}, {"stages": 3, "grouped": True},
                 {"stages": 4, "grouped": True}]
+# --run --sm120-occupancy: each at the programs an SM that sm_120's 99 KB allows (one for the
+# prototype's 64-84 KB and grouped's 90 KB, two for grouped's 49 KB), padded past 114 KB
+# (one program an H200 SM) or 76 KB (two); the Triton launcher's kernels (bf16 and fp8, 94 KB on
+# sm_120: one program an SM) are pinned to 116 KB at launch (_pin_shared)
+SM120_OCCUPANCY_VARIANTS = [{"stages": 2, "pad_kb": 64}, {"stages": 3, "pad_kb": 32},
+                            {"stages": 2, "grouped": True, "pad_kb": 32},
+                            {"stages": 4, "grouped": True, "pad_kb": 32}]
 
 
-def run_on_gpu(variants) -> None:
+def _pin_shared(jit_fn, at_least: int) -> list[tuple[int, int]]:
+    """Every kernel jit_fn has compiled so far asks for at least `at_least` bytes of shared memory
+    at launch (reloaded with that much): the Triton launcher timed at sm_120's occupancy on the
+    H200. Returns (before, after) per kernel."""
+    changed = []
+    for kernels, *_ in jit_fn.device_caches.values():
+        for ck in kernels.values():
+            old = ck.metadata.shared
+            if old < at_least:
+                ck.metadata = ck.metadata._replace(shared=at_least)
+                ck.packed_metadata = (ck.metadata.num_warps, ck.metadata.num_ctas, at_least)
+                ck.module = None  # reloaded at the next launch, with the larger dynamic shared memory
+                changed.append((old, at_least))
+    return changed
+
+
+def run_on_gpu(variants, pin_triton_shared: int = 0) -> None:
     """Correctness against the float32 reference and our Triton launcher, then CUDA-graph timing
     of the prototype against the launcher at s_q >= 64 (one process; 2M-slot cache, topk 2048)."""
     import sys as _sys
@@ -631,6 +684,11 @@ def run_on_gpu(variants) -> None:
         sets = max(1, 2048 // s_q)
         qs = [torch.randn((s_q, h_q, 576), device=dev, generator=gen).to(torch.bfloat16) for _ in range(sets)]
         ids = [torch.randint(0, s_kv, (s_q, 1, topk), device=dev, dtype=torch.int32, generator=gen) for _ in range(sets)]
+        if pin_triton_shared:
+            sm.sparse_mla_fwd_fp8(qs[0], cache, ids[0], scale)  # compiled, then pinned to one program an SM
+            sm.sparse_mla_fwd(qs[0], kv, ids[0], scale)
+            print(f"{s_q} x {h_q}: Triton kernels' shared memory pinned (before, after): "
+                  f"{_pin_shared(sm._sparse_mla_kernel, pin_triton_shared)}", flush=True)
         ours = time_graph([lambda q=q, i=i: sm.sparse_mla_fwd_fp8(q, cache, i, scale) for q, i in zip(qs, ids)], 10)
         bf16 = time_graph([lambda q=q, i=i: sm.sparse_mla_fwd(q, kv, i, scale) for q, i in zip(qs, ids)], 10)
         row, agree = [], []
@@ -656,7 +714,7 @@ def compile_prototype(cap: int, block_n: int, stages: int, block_h: int = 16, ma
     ints = ("n_slots", "h_q", "topk", "n_head_blocks", "stride_q_tok", "stride_q_head", "stride_qr_tok",
             "stride_qr_head", "stride_idx_tok", "stride_out_tok", "stride_out_head")
     sig = {**ptrs, **{n: "i32" for n in ints}, "qk_scale_log2": "fp32"}
-    return _compile(gluon_fp8_sparse_mla, cap, sig, {"BLOCK_N": block_n, "STAGES": stages, "BLOCK_H": block_h},
+    return _compile(gluon_fp8_sparse_mla, cap, sig, {"BLOCK_N": block_n, "STAGES": stages, "BLOCK_H": block_h, "PAD_KB": 0},
                     tuple(ptrs), maxnreg, num_warps=4 * block_h // 16)
 
 
@@ -665,9 +723,14 @@ def main() -> None:
     parser.add_argument("--cap", type=int, action="append", help="compute capability x 10 (default: 120)")
     parser.add_argument("--run", action="store_true", help="on a GPU: the prototype's correctness and timing "
                         "against the Triton launcher (needs mlafleet on PYTHONPATH)")
+    parser.add_argument("--sm120-occupancy", action="store_true",
+                        help="with --run: time the prototypes at the programs an SM that sm_120 allows")
     args = parser.parse_args()
     if args.run:
-        run_on_gpu(RUN_VARIANTS)
+        if args.sm120_occupancy:  # the Triton kernels (bf16 and fp8: 94 KB, one program an sm_120 SM) too
+            run_on_gpu(SM120_OCCUPANCY_VARIANTS, pin_triton_shared=116 * 1024)
+        else:
+            run_on_gpu(RUN_VARIANTS)
         return
     print("| target | variant | BLOCK_N | raw stages | shared bytes | fits 101376 | registers | stack (spills) | "
           + " | ".join(OPS) + " |")
