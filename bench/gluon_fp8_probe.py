@@ -575,13 +575,8 @@ def gluon_fp8_grouped(Q, Q_ROPE, KV, KVH, KVF, IDX, OUT, LSE, n_slots, h_q, topk
 
 
 def compile_grouped(cap: int, block_n: int = 32, stages: int = 2, maxnreg: int | None = None) -> dict:
-    ptrs = {"Q": "*bf16", "Q_ROPE": "*bf16", "KV": "*u8", "KVH": "*bf16", "KVF": "*fp32", "IDX": "*i32",
-            "OUT": "*bf16", "LSE": "*fp32"}
-    ints = ("n_slots", "h_q", "topk", "n_head_blocks", "stride_q_tok", "stride_q_head", "stride_qr_tok",
-            "stride_qr_head", "stride_idx_tok", "stride_out_tok", "stride_out_head")
-    sig = {**ptrs, **{n: "i32" for n in ints}, "qk_scale_log2": "fp32"}
-    return _compile(gluon_fp8_grouped, cap, sig, {"BLOCK_N": block_n, "STAGES": stages, "PAD_KB": 0}, tuple(ptrs),
-                    maxnreg)
+    return _compile(gluon_fp8_grouped, cap, _KERNEL_SIG, {"BLOCK_N": block_n, "STAGES": stages, "PAD_KB": 0},
+                    _KERNEL_PTRS, maxnreg)
 
 
 def gluon_fp8_fwd(q, cache, idx, sm_scale, block_n=32, stages=2, block_h=16, grouped=False, pad_kb=0):
@@ -596,19 +591,13 @@ def gluon_fp8_fwd(q, cache, idx, sm_scale, block_n=32, stages=2, block_h=16, gro
     out = q.new_empty((s_q, h_q, 512))
     lse = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
     hb = (h_q + block_h - 1) // block_h
-    if grouped:
-        assert block_h == 16
-        gluon_fp8_grouped[(s_q * hb,)](
-            q[..., :512], q[..., 512:], rows, rows.view(torch.bfloat16), rows.view(torch.float32),
-            idx, out, lse, rows.shape[0], h_q, topk, hb, sm_scale * 1.4426950408889634,
-            q.stride(0), q.stride(1), q.stride(0), q.stride(1), idx.stride(0), out.stride(0), out.stride(1),
-            BLOCK_N=block_n, STAGES=stages, num_warps=4, PAD_KB=pad_kb)
-        return out, lse
-    gluon_fp8_sparse_mla[(s_q * hb,)](
+    assert block_h == 16 or not grouped
+    kernel, extra = (gluon_fp8_grouped, {}) if grouped else (gluon_fp8_sparse_mla, {"BLOCK_H": block_h})
+    kernel[(s_q * hb,)](
         q[..., :512], q[..., 512:], rows, rows.view(torch.bfloat16), rows.view(torch.float32),
         idx, out, lse, rows.shape[0], h_q, topk, hb, sm_scale * 1.4426950408889634,
         q.stride(0), q.stride(1), q.stride(0), q.stride(1), idx.stride(0), out.stride(0), out.stride(1),
-        BLOCK_N=block_n, STAGES=stages, BLOCK_H=block_h, num_warps=4 * block_h // 16, PAD_KB=pad_kb)
+        BLOCK_N=block_n, STAGES=stages, num_warps=4 * block_h // 16, PAD_KB=pad_kb, **extra)
     return out, lse
 
 
@@ -708,14 +697,19 @@ def run_on_gpu(variants, pin_triton_shared: int = 0) -> None:
 OPS = ("HMMA", "LDSM", "LDS", "STS", "LDGSTS", "BAR")
 
 
+# both prototypes' arguments, as compiled offline (pointers 16-byte aligned)
+_KERNEL_PTRS = ("Q", "Q_ROPE", "KV", "KVH", "KVF", "IDX", "OUT", "LSE")
+_KERNEL_SIG = {**dict(zip(_KERNEL_PTRS, ("*bf16", "*bf16", "*u8", "*bf16", "*fp32", "*i32", "*bf16", "*fp32"))),
+               **{n: "i32" for n in ("n_slots", "h_q", "topk", "n_head_blocks", "stride_q_tok", "stride_q_head",
+                                     "stride_qr_tok", "stride_qr_head", "stride_idx_tok", "stride_out_tok",
+                                     "stride_out_head")},
+               "qk_scale_log2": "fp32"}
+
+
 def compile_prototype(cap: int, block_n: int, stages: int, block_h: int = 16, maxnreg: int | None = None) -> dict:
-    ptrs = {"Q": "*bf16", "Q_ROPE": "*bf16", "KV": "*u8", "KVH": "*bf16", "KVF": "*fp32", "IDX": "*i32",
-            "OUT": "*bf16", "LSE": "*fp32"}
-    ints = ("n_slots", "h_q", "topk", "n_head_blocks", "stride_q_tok", "stride_q_head", "stride_qr_tok",
-            "stride_qr_head", "stride_idx_tok", "stride_out_tok", "stride_out_head")
-    sig = {**ptrs, **{n: "i32" for n in ints}, "qk_scale_log2": "fp32"}
-    return _compile(gluon_fp8_sparse_mla, cap, sig, {"BLOCK_N": block_n, "STAGES": stages, "BLOCK_H": block_h, "PAD_KB": 0},
-                    tuple(ptrs), maxnreg, num_warps=4 * block_h // 16)
+    return _compile(gluon_fp8_sparse_mla, cap, _KERNEL_SIG,
+                    {"BLOCK_N": block_n, "STAGES": stages, "BLOCK_H": block_h, "PAD_KB": 0},
+                    _KERNEL_PTRS, maxnreg, num_warps=4 * block_h // 16)
 
 
 def main() -> None:
