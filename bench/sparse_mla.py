@@ -15,6 +15,7 @@ Run on the H200 test machine (see bench/device_kernels.sh for staging):
    `--before MODULE` also times another version of the kernels (e.g. the previous commit's
    sparse_mla.py staged under another module name) on every case, in the same process.
    `--sweep` times the CANDIDATES configs and split counts beside the launcher's choice.
+   `--only fp8` (or bf16) times one cache's cases only.
 3. `--warm I/N`: compile only (share I of N of every launch the timing will make, on a small
    cache with the same specialisations), so that N processes can fill Triton's cache in
    parallel before the timing process starts.
