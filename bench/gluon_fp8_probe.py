@@ -453,8 +453,12 @@ def gluon_fp8_grouped(Q, Q_ROPE, KV, KVH, KVF, IDX, OUT, LSE, n_slots, h_q, topk
                       qk_scale_log2,
                       stride_q_tok, stride_q_head, stride_qr_tok, stride_qr_head, stride_idx_tok,
                       stride_out_tok, stride_out_head,
+                      stride_out_split, stride_lse_tok, stride_lse_split, tokens_per_split, n_split,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
-                      PAD_KB: gl.constexpr = 0):
+                      PAD_KB: gl.constexpr = 0, PARTIAL: gl.constexpr = False):
+    # One program = one token x 16 heads x one split of its indices (tokens_per_split, a multiple
+    # of BLOCK_N, as the Triton launcher splits). PARTIAL (several splits): float32 partial outputs
+    # and partial LSEs (-inf where a split has nothing valid) for mlafleet's _merge_splits_kernel.
     gl.static_assert(num_warps == 4, "one warp per scale group")
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
     A2: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -476,7 +480,9 @@ def gluon_fp8_grouped(Q, Q_ROPE, KV, KVH, KVF, IDX, OUT, LSE, n_slots, h_q, topk
     if PAD_KB > 0:
         pad = _reserve_shared(PAD_KB, num_warps)
     head_block = pid % n_head_blocks
-    tok = (pid // n_head_blocks).to(gl.int64)
+    rest = pid // n_head_blocks
+    split = rest % n_split
+    tok = (rest // n_split).to(gl.int64)
 
     # q in registers, group g in warp g: the latent part times 2^100, RoPE dims 16g..16g+15
     g3 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, Q3)))
@@ -494,8 +500,9 @@ def gluon_fp8_grouped(Q, Q_ROPE, KV, KVH, KVF, IDX, OUT, LSE, n_slots, h_q, topk
     raw = gl.allocate_shared_memory(gl.uint8, [STAGES, 4, BLOCK_N, 128], RAW_S)
     rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4, BLOCK_N, 16], ROPE_S)
 
-    idx_base = IDX + tok * stride_idx_tok
-    n_tiles = topk // BLOCK_N
+    start = split * tokens_per_split
+    idx_base = IDX + tok * stride_idx_tok + start
+    n_tiles = gl.minimum(tokens_per_split, topk - start) // BLOCK_N
     r_raw = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, RAW3)))
     r_rope = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, ROPE3)))
     for t in gl.static_range(STAGES - 1):
@@ -562,44 +569,71 @@ def gluon_fp8_grouped(Q, Q_ROPE, KV, KVH, KVF, IDX, OUT, LSE, n_slots, h_q, topk
     go = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
     ho = head_block * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
     co = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
-    o = (OUT + tok * stride_out_tok + ho.to(gl.int64)[None, :, None] * stride_out_head + go[:, None, None] * 128
-         + 2 * co[None, None, :])
+    o = (OUT + tok * stride_out_tok + split * stride_out_split + ho.to(gl.int64)[None, :, None] * stride_out_head
+         + go[:, None, None] * 128 + 2 * co[None, None, :])
     om = gl.broadcast((ho < h_q)[None, :, None], o)[0]
-    gl.store(o, (acc_e * inv3).to(gl.bfloat16), mask=om)
-    gl.store(o + 1, (acc_o * inv3).to(gl.bfloat16), mask=om)
+    out_dtype: gl.constexpr = gl.float32 if PARTIAL else gl.bfloat16
+    gl.store(o, (acc_e * inv3).to(out_dtype), mask=om)
+    gl.store(o + 1, (acc_o * inv3).to(out_dtype), mask=om)
     hl = head_block * 16 + gl.arange(0, 16, layout=ROW)
-    lse = gl.where(empty, float("inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    empty_lse: gl.constexpr = float("-inf") if PARTIAL else float("inf")  # +inf: the contract's "no token"
+    lse = gl.where(empty, empty_lse, (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     if PAD_KB > 0:
         lse = lse + _shared_kept(pad, num_warps)
-    gl.store(LSE + tok * h_q + hl, lse, mask=hl < h_q)
+    gl.store(LSE + tok * stride_lse_tok + split * stride_lse_split + hl, lse, mask=hl < h_q)
 
 
-def compile_grouped(cap: int, block_n: int = 32, stages: int = 2, maxnreg: int | None = None) -> dict:
-    return _compile(gluon_fp8_grouped, cap, _KERNEL_SIG, {"BLOCK_N": block_n, "STAGES": stages, "PAD_KB": 0},
-                    _KERNEL_PTRS, maxnreg)
+def compile_grouped(cap: int, block_n: int = 32, stages: int = 2, maxnreg: int | None = None,
+                    partial: bool = False) -> dict:
+    sig = {**_KERNEL_SIG, **{n: "i32" for n in ("stride_out_split", "stride_lse_tok", "stride_lse_split",
+                                                  "tokens_per_split", "n_split")}}
+    return _compile(gluon_fp8_grouped, cap, sig,
+                    {"BLOCK_N": block_n, "STAGES": stages, "PAD_KB": 0, "PARTIAL": partial}, _KERNEL_PTRS, maxnreg)
 
 
 def gluon_fp8_fwd(q, cache, idx, sm_scale, block_n=32, stages=2, block_h=16, grouped=False, pad_kb=0):
     """out [s_q, h_q, 512] bf16, lse [s_q, h_q] for q [s_q, h_q, 576] bf16 over the fp8_ds_mla
-    rows `cache` (uint8, contiguous rows of 656 bytes) at idx [s_q, 1, topk] int32."""
+    rows `cache` (uint8, contiguous rows of 656 bytes) at idx [s_q, 1, topk] int32. The grouped
+    kernel splits each row's indices where the grid is small, by the Triton launcher's rule
+    (choose_num_splits), and merges them with its merge kernel; the prototype does not split."""
     import torch
+    import triton as _triton
+
+    from mlafleet.kernels import sparse_mla as sm
 
     s_q, h_q, _ = q.shape
     topk = idx.shape[-1]
     assert topk % block_n == 0 and q.stride(-1) == 1 and cache.is_contiguous()
+    assert block_h == 16 or not grouped
     rows = cache.reshape(-1, 656)
     out = q.new_empty((s_q, h_q, 512))
     lse = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
     hb = (h_q + block_h - 1) // block_h
-    assert block_h == 16 or not grouped
-    kernel, extra = (gluon_fp8_grouped, {}) if grouped else (gluon_fp8_sparse_mla, {"BLOCK_H": block_h})
-    kernel[(s_q * hb,)](
-        q[..., :512], q[..., 512:], rows, rows.view(torch.bfloat16), rows.view(torch.float32),
-        idx, out, lse, rows.shape[0], h_q, topk, hb, sm_scale * 1.4426950408889634,
-        q.stride(0), q.stride(1), q.stride(0), q.stride(1), idx.stride(0), out.stride(0), out.stride(1),
-        BLOCK_N=block_n, STAGES=stages, num_warps=4 * block_h // 16, PAD_KB=pad_kb, **extra)
+    args = (q[..., :512], q[..., 512:], rows, rows.view(torch.bfloat16), rows.view(torch.float32), idx)
+    tail = (rows.shape[0], h_q, topk, hb, sm_scale * 1.4426950408889634,
+            q.stride(0), q.stride(1), q.stride(0), q.stride(1), idx.stride(0))
+    if not grouped:
+        gluon_fp8_sparse_mla[(s_q * hb,)](*args, out, lse, *tail, out.stride(0), out.stride(1),
+                                          BLOCK_N=block_n, STAGES=stages, BLOCK_H=block_h,
+                                          num_warps=4 * block_h // 16, PAD_KB=pad_kb)
+        return out, lse
+    splits = sm.choose_num_splits(s_q, hb, topk, block_n, torch.cuda.get_device_properties(q.device).multi_processor_count)
+    per_split = _triton.cdiv(_triton.cdiv(topk, splits), block_n) * block_n
+    splits = _triton.cdiv(topk, per_split)
+    if splits == 1:
+        gluon_fp8_grouped[(s_q * hb,)](*args, out, lse, *tail, out.stride(0), out.stride(1), 0, lse.stride(0), 0,
+                                       per_split, 1, BLOCK_N=block_n, STAGES=stages, num_warps=4, PAD_KB=pad_kb)
+        return out, lse
+    part = torch.empty((s_q, splits, h_q, 512), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((s_q, splits, h_q), dtype=torch.float32, device=q.device)
+    gluon_fp8_grouped[(s_q * splits * hb,)](*args, part, part_lse, *tail, part.stride(0), part.stride(2),
+                                            part.stride(1), part_lse.stride(0), part_lse.stride(1), per_split, splits,
+                                            BLOCK_N=block_n, STAGES=stages, num_warps=4, PAD_KB=pad_kb, PARTIAL=True)
+    sm._merge_splits_kernel[(s_q * h_q * 4,)](
+        part, part.stride(0), part.stride(1), part.stride(2), part_lse, part_lse.stride(0), part_lse.stride(1),
+        part_lse.stride(2), out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1), h_q, splits,
+        BLOCK_SPLIT=_triton.next_power_of_2(splits), num_warps=sm.MERGE_NUM_WARPS)
     return out, lse
-
 
 def _label(v: dict) -> str:
     return (("grouped, " if v.get("grouped") else "") + f"h{v.get('block_h', 16)}, {v.get('stages', 2)} stages"
@@ -610,6 +644,9 @@ def _label(v: dict) -> str:
 # kernel with 2-4 (the 32-head prototype, BLOCK_H=32, was timed in the seventh pass and is slower)
 RUN_VARIANTS = [{"stages": 2}, {"stages": 3}, {"stages": 2, "grouped": True}, {"stages": 3, "grouped": True},
                 {"stages": 4, "grouped": True}]
+# --run --small: the grouped kernel where it splits (s_q x head blocks under the SM count), beside the
+# prototype at 2 stages (unsplit)
+SMALL_VARIANTS = [{"stages": 2}, {"stages": 2, "grouped": True}, {"stages": 4, "grouped": True}]
 # --run --sm120-occupancy: each at the programs an SM that sm_120's 99 KB allows (one for the
 # prototype's 64-84 KB and grouped's 90 KB, two for grouped's 49 KB), padded past 114 KB
 # (one program an H200 SM) or 76 KB (two); the Triton launcher's kernels (bf16 and fp8, 94 KB on
@@ -635,7 +672,8 @@ def _pin_shared(jit_fn, at_least: int) -> list[tuple[int, int]]:
     return changed
 
 
-def run_on_gpu(variants, pin_triton_shared: int = 0) -> None:
+def run_on_gpu(variants, pin_triton_shared: int = 0,
+               shapes=((256, 8), (4096, 8), (4096, 16), (256, 32), (4096, 32), (4096, 64))) -> None:
     """Correctness against the float32 reference and our Triton launcher, then CUDA-graph timing
     of the prototype against the launcher at s_q >= 64 (one process; 2M-slot cache, topk 2048)."""
     import sys as _sys
@@ -670,8 +708,8 @@ def run_on_gpu(variants, pin_triton_shared: int = 0) -> None:
           + " | ".join(f"Gluon, {_label(v)} us" for v in variants)
           + " | best / launcher | Triton bf16 us | best / bf16 | best % of 4268 GB/s |")
     print("|---|---:|" + "---:|" * len(variants) + "---:|---:|---:|---:|")
-    for s_q, h_q in ((256, 8), (4096, 8), (4096, 16), (256, 32), (4096, 32), (4096, 64)):
-        sets = max(1, 2048 // s_q)
+    for s_q, h_q in shapes:
+        sets = max(1, min(64, 2048 // s_q))  # rows past the L2 at s_q >= 32; at most 64 calls a replay
         qs = [torch.randn((s_q, h_q, 576), device=dev, generator=gen).to(torch.bfloat16) for _ in range(sets)]
         ids = [torch.randint(0, s_kv, (s_q, 1, topk), device=dev, dtype=torch.int32, generator=gen) for _ in range(sets)]
         if pin_triton_shared:
@@ -718,11 +756,15 @@ def main() -> None:
     parser.add_argument("--cap", type=int, action="append", help="compute capability x 10 (default: 120)")
     parser.add_argument("--run", action="store_true", help="on a GPU: the prototype's correctness and timing "
                         "against the Triton launcher (needs mlafleet on PYTHONPATH)")
+    parser.add_argument("--small", action="store_true",
+                        help="with --run: decode and small batches (the grouped kernel split)")
     parser.add_argument("--sm120-occupancy", action="store_true",
                         help="with --run: time the prototypes at the programs an SM that sm_120 allows")
     args = parser.parse_args()
     if args.run:
-        if args.sm120_occupancy:  # the Triton kernels (bf16 and fp8: 94 KB, one program an sm_120 SM) too
+        if args.small:
+            run_on_gpu(SMALL_VARIANTS, shapes=((1, 8), (8, 8), (64, 8), (64, 16), (64, 32), (256, 8)))
+        elif args.sm120_occupancy:  # the Triton kernels (bf16 and fp8: 94 KB, one program an sm_120 SM) too
             run_on_gpu(SM120_OCCUPANCY_VARIANTS, pin_triton_shared=116 * 1024)
         else:
             run_on_gpu(RUN_VARIANTS)

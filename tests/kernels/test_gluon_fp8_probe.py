@@ -23,6 +23,7 @@ import gluon_fp8_probe as probe
 report = {f"h16/{st}": probe.compile_prototype(120, 32, st, 16, 255) for st in (2, 3)}
 report["h32/3"] = probe.compile_prototype(120, 32, 3, 32, 255)
 report.update({f"grouped/{st}": probe.compile_grouped(120, 32, st, 255) for st in (2, 4, 5)})
+report["grouped/2 partial"] = probe.compile_grouped(120, 32, 2, 255, partial=True)
 print("REPORT", json.dumps(report))
 """
 
@@ -35,7 +36,7 @@ def test_prototypes_fit_sm120() -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("REPORT "))[7:])
     # what the H200 runs timed: each fits, spills nothing, and keeps every dot on the tensor cores
-    for name in ("h16/2", "h16/3", "grouped/2", "grouped/4"):
+    for name in ("h16/2", "h16/3", "grouped/2", "grouped/4", "grouped/2 partial"):
         r = report[name]
         assert r["shared"] <= SM120_MAX_SHARED_BYTES, (name, r)
         assert r["stack"] == 0 and 0 < r["registers"] <= 255, (name, r)
