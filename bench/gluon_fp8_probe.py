@@ -69,14 +69,21 @@ PAIR_SPLIT = gl.constexpr("""{
 
 
 @gluon.jit
+def _online_softmax(s, m_i, l_i):
+    """One tile's online-softmax step over logits s (base 2, -inf where invalid): the new running
+    max, the rescale of what came before (alpha), the tile's probabilities and the new running sum."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet: avoid inf - inf
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(s - m_use[:, None])
+    return m_new, alpha, p, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
 def _softmax_pv(s, m_i, l_i, acc0, acc1, acc2, acc3, p_smem, v_tile, A_OP: gl.constexpr, B_OP: gl.constexpr):
     """One tile's online-softmax update (logits s in base 2, -inf where invalid) and P.V over the
     four 128-column groups of v_tile ([BLOCK_N, 512] bf16 in shared memory): P goes through p_smem."""
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_use)
-    p = gl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + gl.sum(p, axis=1)
+    m_new, alpha, p, l_i = _online_softmax(s, m_i, l_i)
     p_smem.store(p.to(gl.bfloat16))
     _barrier()
     pa = p_smem.load(A_OP)
@@ -384,12 +391,7 @@ def gluon_fp8_sparse_mla(Q, Q_ROPE, KV, KVH, KVF, IDX, OUT, LSE, n_slots, h_q, t
         s = s + _qk_group(q_smem.index(3), r.slice(384, 128, dim=1), zero, A4, B4) * sc3[None, :]
         s = gl.where(ok_c[None, :], s * qk_scale_log2, float("-inf"))
 
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
+        m_i, alpha, p, l_i = _online_softmax(s, m_i, l_i)
         # P.V: P_g = p * scale_g * 2^100 (the scales carry 2^20 already), x_g straight from the
         # ring as x * 2^-120: the accumulators hold 2^-20 times the output
         p_smem.index(0).store((p * (sc0 * 1.2089258196146292e24)[None, :]).to(gl.bfloat16))
@@ -546,12 +548,7 @@ def gluon_fp8_grouped(Q, Q_ROPE, KV, KVH, KVF, IDX, OUT, LSE, n_slots, h_q, topk
         s = gl.sum(s_part, axis=0)  # the four groups' logits: across the warps
         s = gl.where(ok_c[None, :], s * qk_scale_log2, float("-inf"))
 
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
+        m_i, alpha, p, l_i = _online_softmax(s, m_i, l_i)
         # P_g = p * scale_g * 2^100 in warp g, x_g straight from the ring (x * 2^-120)
         pg = (gl.expand_dims(p, 0) * (sc * 1.2089258196146292e24)[:, None, :]).to(gl.bfloat16)
         pa = gl.convert_layout(pg, A2)
@@ -597,7 +594,6 @@ def gluon_fp8_fwd(q, cache, idx, sm_scale, block_n=32, stages=2, block_h=16, gro
     kernel splits each row's indices where the grid is small, by the Triton launcher's rule
     (choose_num_splits), and merges them with its merge kernel; the prototype does not split."""
     import torch
-    import triton as _triton
 
     from mlafleet.kernels import sparse_mla as sm
 
@@ -618,8 +614,8 @@ def gluon_fp8_fwd(q, cache, idx, sm_scale, block_n=32, stages=2, block_h=16, gro
                                           num_warps=4 * block_h // 16, PAD_KB=pad_kb)
         return out, lse
     splits = sm.choose_num_splits(s_q, hb, topk, block_n, torch.cuda.get_device_properties(q.device).multi_processor_count)
-    per_split = _triton.cdiv(_triton.cdiv(topk, splits), block_n) * block_n
-    splits = _triton.cdiv(topk, per_split)
+    per_split = triton.cdiv(triton.cdiv(topk, splits), block_n) * block_n
+    splits = triton.cdiv(topk, per_split)
     if splits == 1:
         gluon_fp8_grouped[(s_q * hb,)](*args, out, lse, *tail, out.stride(0), out.stride(1), 0, lse.stride(0), 0,
                                        per_split, 1, BLOCK_N=block_n, STAGES=stages, num_warps=4, PAD_KB=pad_kb)
@@ -632,7 +628,7 @@ def gluon_fp8_fwd(q, cache, idx, sm_scale, block_n=32, stages=2, block_h=16, gro
     sm._merge_splits_kernel[(s_q * h_q * 4,)](
         part, part.stride(0), part.stride(1), part.stride(2), part_lse, part_lse.stride(0), part_lse.stride(1),
         part_lse.stride(2), out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1), h_q, splits,
-        BLOCK_SPLIT=_triton.next_power_of_2(splits), num_warps=sm.MERGE_NUM_WARPS)
+        BLOCK_SPLIT=triton.next_power_of_2(splits), num_warps=sm.MERGE_NUM_WARPS)
     return out, lse
 
 def _label(v: dict) -> str:
@@ -675,7 +671,7 @@ def _pin_shared(jit_fn, at_least: int) -> list[tuple[int, int]]:
 def run_on_gpu(variants, pin_triton_shared: int = 0,
                shapes=((256, 8), (4096, 8), (4096, 16), (256, 32), (4096, 32), (4096, 64))) -> None:
     """Correctness against the float32 reference and our Triton launcher, then CUDA-graph timing
-    of the prototype against the launcher at s_q >= 64 (one process; 2M-slot cache, topk 2048)."""
+    of each variant against the launcher at `shapes` (one process; 2M-slot cache, topk 2048)."""
     import sys as _sys
     import torch
 
