@@ -2,7 +2,8 @@
 # The kernel benchmarks on the H200 test machine, in two steps.
 #
 # stage (here): copy into <checkout>/.dev/<folder> (git-ignored), for the device tool, which sends
-#   the lead's checkout and the paths named in `carry`: our kernel modules, both benchmarks, this
+#   the lead's checkout and the paths named in `carry`: our kernel modules, the benchmarks (sparse MLA,
+#   its trimmed-loop table sparse_mla_tail.py, the Gluon probe gluon_fp8_probe.py, the indexer), this
 #   script, optionally the sparse-MLA kernels of an earlier git revision (as
 #   mlafleet.kernels.sparse_mla_before, timed in the same run), and from the vllm==0.20.2 wheel
 #   FlashMLA (vllm/_flashmla_C.abi3.so + its interface) and DeepGEMM (vllm/third_party/deep_gemm,
@@ -25,12 +26,13 @@ if [[ "$mode" == stage ]]; then
     rm -rf "$dest"
     mkdir -p "$dest/mlafleet/kernels" "$dest/vllm/third_party/flashmla"
     cp "$here/mlafleet/__init__.py" "$dest/mlafleet/"
-    cp "$here"/mlafleet/kernels/{__init__,sparse_mla,sm120,indexer}.py "$dest/mlafleet/kernels/"
+    cp "$here"/mlafleet/kernels/{__init__,sparse_mla,sparse_mla_gluon,sm120,indexer}.py "$dest/mlafleet/kernels/"
     if [[ -n "$before" ]]; then
         git -C "$here" show "$before:mlafleet/kernels/sparse_mla.py" > "$dest/mlafleet/kernels/sparse_mla_before.py"
     fi
     cp "$here/bench/sparse_mla.py" "$dest/bench_sparse_mla.py"
     cp "$here/bench/indexer.py" "$dest/bench_indexer.py"
+    cp "$here/bench/sparse_mla_tail.py" "$here/bench/gluon_fp8_probe.py" "$dest/"
     cp "$here/bench/cuda_timing.py" "$dest/"
     cp "$here/bench/device_kernels.sh" "$dest/"
     unzip -q -o -j "$wheel" vllm/_flashmla_C.abi3.so -d "$dest/vllm"

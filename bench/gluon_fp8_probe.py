@@ -19,10 +19,10 @@ token, 16 heads, BLOCK_N keys a step gathered with cp.async into a ring of STAGE
              ldmatrix.trans, so that one register holds the same dim pair of two keys, which byte
              permutes split into the even and the odd dim's operand (PAIR_SPLIT): no converted
              tile. The scales go onto the logits (Q.K) and onto P (P.V, one P per group).
-  grouped:   `gluon_fp8_grouped`, the prototype with each of the 4 warps on one scale group as the
-             batch dimension of a batched mma_v2: q stays in registers (the prototype reloads all
-             of q from shared memory in every warp at every tile), the groups' logits meet in one
-             cross-warp sum, and each warp runs P.V for its group's 128 output dims.
+  grouped:   the launcher's Gluon kernel since the eighth pass (mlafleet/kernels/sparse_mla_gluon.py,
+             the prototype with each of the 4 warps on one scale group as the batch dimension of a
+             batched mma_v2: q stays in registers, where the prototype reloads all of q from shared
+             memory in every warp at every tile), timed here beside the prototype.
 
 With --run (a CUDA GPU, mlafleet importable): the prototypes against the float32 reference
 (invalid and out-of-range indices, a row with nothing valid) and against mlafleet's Triton
@@ -34,6 +34,7 @@ fp8 and bf16 times.
 """
 import argparse
 import collections
+import dataclasses
 import re
 import subprocess
 import tempfile
@@ -45,45 +46,18 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp, mma_v2
 
-from mlafleet.kernels.sparse_mla import _FP8_BITS_PTX
-
-# a CTA-wide barrier: gl.thread_barrier in Triton 3.6, gl.barrier in 3.7
-_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-
-# fp8 bytes -> bf16 x 2^-120 (and times a bf16 factor): the bit moves of the Triton kernels'
-# `_fp8_bits_as_bf16`, the same PTX
-PTX = gl.constexpr("{" + _FP8_BITS_PTX.value + "mov.b32 $0, a0;\nmov.b32 $1, a1;\n}")
-# P.V straight from the raw bytes: the ring read as 16-bit pairs (dims 2c, 2c+1 of a key) into the
-# bf16 B-operand layout (keys along k: ldmatrix.trans), so one 32-bit register holds the pair c of
-# keys k and k+1, bytes [x(k,2c), x(k,2c+1), x(k+1,2c), x(k+1,2c+1)]; the byte permutes split it
-# into dim 2c's and dim 2c+1's pair of keys ($0, $1), then the same bit moves as PTX
-PAIR_SPLIT = gl.constexpr("""{
-    .reg .b32 a<2>;
-    prmt.b32 a0, $2, 0, 0xA280;
-    prmt.b32 a1, $2, 0, 0xB391;
-    shl.b32 a0, a0, 4;
-    shl.b32 a1, a1, 4;
-    and.b32 $0, a0, 0x87F087F0;
-    and.b32 $1, a1, 0x87F087F0;
-}""")
-
-
-@gluon.jit
-def _online_softmax(s, m_i, l_i):
-    """One tile's online-softmax step over logits s (base 2, -inf where invalid): the new running
-    max, the rescale of what came before (alpha), the tile's probabilities and the new running sum."""
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet: avoid inf - inf
-    alpha = gl.exp2(m_i - m_use)
-    p = gl.exp2(s - m_use[:, None])
-    return m_new, alpha, p, l_i * alpha + gl.sum(p, axis=1)
+from mlafleet.kernels import sparse_mla as sm
+from mlafleet.kernels import sparse_mla_gluon as glu
+from mlafleet.kernels.sparse_mla_gluon import PAIR_SPLIT, online_softmax, reserve_shared, shared_kept
+from mlafleet.kernels.sparse_mla_gluon import FP8_TO_BF16 as PTX  # fp8 bytes -> bf16 x 2^-120
+from mlafleet.kernels.sparse_mla_gluon import _barrier
 
 
 @gluon.jit
 def _softmax_pv(s, m_i, l_i, acc0, acc1, acc2, acc3, p_smem, v_tile, A_OP: gl.constexpr, B_OP: gl.constexpr):
     """One tile's online-softmax update (logits s in base 2, -inf where invalid) and P.V over the
     four 128-column groups of v_tile ([BLOCK_N, 512] bf16 in shared memory): P goes through p_smem."""
-    m_new, alpha, p, l_i = _online_softmax(s, m_i, l_i)
+    m_new, alpha, p, l_i = online_softmax(s, m_i, l_i)
     p_smem.store(p.to(gl.bfloat16))
     _barrier()
     pa = p_smem.load(A_OP)
@@ -254,25 +228,6 @@ def _pv_pairs(pa, pairs, acc_even, acc_odd, alpha, B2: gl.constexpr):
 
 
 @gluon.jit
-def _reserve_shared(PAD_KB: gl.constexpr, num_warps: gl.constexpr):
-    """PAD_KB more KB of shared memory for the program, held from the kernel's start to its end
-    (_shared_kept): on the H200 (228 KB an SM) this caps the programs an SM holds at what sm_120's
-    99 KB allows, to time a kernel at SM12x's occupancy."""
-    pad = gl.allocate_shared_memory(gl.uint8, [PAD_KB * 1024],
-                                    gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
-    pad.slice(0, 32 * num_warps).store(gl.zeros([32 * num_warps], gl.uint8,
-                                                layout=gl.BlockedLayout([1], [32], [num_warps], [0])))
-    return pad
-
-
-@gluon.jit
-def _shared_kept(pad, num_warps: gl.constexpr):
-    """0.0, read from the pad at the end, so that its allocation spans the whole kernel."""
-    keep = pad.slice(0, 32 * num_warps).load(gl.BlockedLayout([1], [32], [num_warps], [0]))
-    return gl.sum(keep.to(gl.float32), axis=0) * 0.0
-
-
-@gluon.jit
 def _issue_gather(raw, rope, t, n_tiles, idx_raw, idx_rope, n_slots, KV, KVH,
                   STAGES: gl.constexpr, RAW_L: gl.constexpr, ROPE_L: gl.constexpr):
     """cp.async of tile t's rows into ring slot t % STAGES: the 512 fp8 bytes and the 64 RoPE
@@ -313,7 +268,7 @@ def gluon_fp8_sparse_mla(Q, Q_ROPE, KV, KVH, KVF, IDX, OUT, LSE, n_slots, h_q, t
 
     pid = gl.program_id(0)
     if PAD_KB > 0:
-        pad = _reserve_shared(PAD_KB, num_warps)
+        pad = reserve_shared(PAD_KB, num_warps)
     head_block = pid % n_head_blocks
     tok = (pid // n_head_blocks).to(gl.int64)
 
@@ -391,7 +346,7 @@ def gluon_fp8_sparse_mla(Q, Q_ROPE, KV, KVH, KVF, IDX, OUT, LSE, n_slots, h_q, t
         s = s + _qk_group(q_smem.index(3), r.slice(384, 128, dim=1), zero, A4, B4) * sc3[None, :]
         s = gl.where(ok_c[None, :], s * qk_scale_log2, float("-inf"))
 
-        m_i, alpha, p, l_i = _online_softmax(s, m_i, l_i)
+        m_i, alpha, p, l_i = online_softmax(s, m_i, l_i)
         # P.V: P_g = p * scale_g * 2^100 (the scales carry 2^20 already), x_g straight from the
         # ring as x * 2^-120: the accumulators hold 2^-20 times the output
         p_smem.index(0).store((p * (sc0 * 1.2089258196146292e24)[None, :]).to(gl.bfloat16))
@@ -422,214 +377,50 @@ def gluon_fp8_sparse_mla(Q, Q_ROPE, KV, KVH, KVF, IDX, OUT, LSE, n_slots, h_q, t
     gl.store(o + 385, (acc7 * inv).to(gl.bfloat16), mask=omask)
     lse = gl.where(empty, float("inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     if PAD_KB > 0:
-        lse = lse + _shared_kept(pad, num_warps)
+        lse = lse + shared_kept(pad, num_warps)
     gl.store(LSE + tok * h_q + ho, lse, mask=ho < h_q)
 
 
-# ------------------------------------------------------------------------------------------
-# "grouped": the same tile with each warp on one scale group (128 latent dims) as the batch
-# dimension of a batched mma_v2: its q group stays in registers (no shared-memory reload of q
-# at each tile), Q.K's partial logits of the four groups meet in one cross-warp sum, and each
-# warp then computes P.V for its own group's 128 output dims. The ring is group-major
-# ([STAGES, 4, BLOCK_N, 128] bytes) so that each group's tile keeps the 2-D swizzle.
-# ------------------------------------------------------------------------------------------
-
-@gluon.jit
-def _issue_gather_grouped(raw, rope, t, n_tiles, idx_raw, idx_rope, n_slots, KV, KVH,
-                          STAGES: gl.constexpr, RAW3: gl.constexpr, ROPE3: gl.constexpr):
-    g = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, RAW3)))
-    c = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, RAW3)))
-    ok = (idx_raw >= 0) & (idx_raw < n_slots) & (t < n_tiles)
-    ptr = KV + idx_raw.to(gl.int64)[None, :, None] * 656 + g[:, None, None] * 128 + c[None, None, :]
-    cp.async_copy_global_to_shared(raw.index(t % STAGES), ptr, mask=gl.broadcast(ok[None, :, None], ptr)[0])
-    gr = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, ROPE3)))
-    cr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, ROPE3)))
-    rok = (idx_rope >= 0) & (idx_rope < n_slots) & (t < n_tiles)
-    rptr = KVH + idx_rope.to(gl.int64)[None, :, None] * 328 + 264 + gr[:, None, None] * 16 + cr[None, None, :]
-    cp.async_copy_global_to_shared(rope.index(t % STAGES), rptr, mask=gl.broadcast(rok[None, :, None], rptr)[0])
-    cp.commit_group()
-
-
-@gluon.jit
-def gluon_fp8_grouped(Q, Q_ROPE, KV, KVH, KVF, IDX, OUT, LSE, n_slots, h_q, topk, n_head_blocks,
-                      qk_scale_log2,
-                      stride_q_tok, stride_q_head, stride_qr_tok, stride_qr_head, stride_idx_tok,
-                      stride_out_tok, stride_out_head,
-                      stride_out_split, stride_lse_tok, stride_lse_split, tokens_per_split, n_split,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
-                      PAD_KB: gl.constexpr = 0, PARTIAL: gl.constexpr = False):
-    # One program = one token x 16 heads x one split of its indices (tokens_per_split, a multiple
-    # of BLOCK_N, as the Triton launcher splits). PARTIAL (several splits): float32 partial outputs
-    # and partial LSEs (-inf where a split has nothing valid) for mlafleet's _merge_splits_kernel.
-    gl.static_assert(num_warps == 4, "one warp per scale group")
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
-    A2: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    B2: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    A4: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
-    B4: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
-    S2: gl.constexpr = gl.SliceLayout(0, MMA)  # [16 heads, BLOCK_N keys]: the summed logits, in every warp
-    ROW: gl.constexpr = gl.SliceLayout(1, S2)
-    COL: gl.constexpr = gl.SliceLayout(0, S2)
-    GK: gl.constexpr = gl.SliceLayout(1, MMA)  # [4 groups, BLOCK_N keys]: the scales
-    RAW3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 4, 8], [4, 1, 1], [2, 1, 0])
-    ROPE3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 16, 2], [4, 1, 1], [2, 1, 0])
-    Q3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [4, 1, 1], [2, 1, 0])
-    RAW_S: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[2, 1, 0])
-    PAIRS_S: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0])
-    ROPE_S: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=4, max_phase=2, order=[2, 1, 0])
-
-    pid = gl.program_id(0)
-    if PAD_KB > 0:
-        pad = _reserve_shared(PAD_KB, num_warps)
-    head_block = pid % n_head_blocks
-    rest = pid // n_head_blocks
-    split = rest % n_split
-    tok = (rest // n_split).to(gl.int64)
-
-    # q in registers, group g in warp g: the latent part times 2^100, RoPE dims 16g..16g+15
-    g3 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, Q3)))
-    h3 = head_block * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, Q3)))
-    d3 = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, Q3)))
-    hm = gl.broadcast((h3 < h_q)[None, :, None], g3[:, None, None])[0]
-    qp = Q + tok * stride_q_tok + h3.to(gl.int64)[None, :, None] * stride_q_head + g3[:, None, None] * 128 + d3[None, None, :]
-    q_lat = gl.load(qp, mask=gl.broadcast(hm, qp)[0], other=0.0).to(gl.float32) * 1.2676506002282294e30
-    q_lat = gl.convert_layout(q_lat.to(gl.bfloat16), A4)
-    d16 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, Q3)))
-    rp = (Q_ROPE + tok * stride_qr_tok + h3.to(gl.int64)[None, :, None] * stride_qr_head + g3[:, None, None] * 16
-          + d16[None, None, :])
-    q_rope = gl.convert_layout(gl.load(rp, mask=gl.broadcast(hm, rp)[0], other=0.0), A2)
-
-    raw = gl.allocate_shared_memory(gl.uint8, [STAGES, 4, BLOCK_N, 128], RAW_S)
-    rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4, BLOCK_N, 16], ROPE_S)
-
-    start = split * tokens_per_split
-    idx_base = IDX + tok * stride_idx_tok + start
-    n_tiles = gl.minimum(tokens_per_split, topk - start) // BLOCK_N
-    r_raw = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, RAW3)))
-    r_rope = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, ROPE3)))
-    for t in gl.static_range(STAGES - 1):
-        _issue_gather_grouped(raw, rope, t, n_tiles, gl.load(idx_base + t * BLOCK_N + r_raw, mask=t < n_tiles, other=-1),
-                              gl.load(idx_base + t * BLOCK_N + r_rope, mask=t < n_tiles, other=-1), n_slots, KV, KVH,
-                              STAGES, RAW3, ROPE3)
-    nt = STAGES - 1
-    nxt_raw = gl.load(idx_base + nt * BLOCK_N + r_raw, mask=nt < n_tiles, other=-1)
-    nxt_rope = gl.load(idx_base + nt * BLOCK_N + r_rope, mask=nt < n_tiles, other=-1)
-
-    m_i = gl.full([16], float("-inf"), gl.float32, layout=ROW)
-    l_i = gl.zeros([16], gl.float32, layout=ROW)
-    acc_e = gl.zeros([4, 16, 64], gl.float32, layout=MMA)  # group g's even output dims, in warp g
-    acc_o = gl.zeros([4, 16, 64], gl.float32, layout=MMA)  # ... and its odd ones
-    kc = gl.arange(0, BLOCK_N, layout=COL)
-    gk = gl.arange(0, 4, layout=gl.SliceLayout(1, GK))
-    kk = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, GK))
-    zero = gl.zeros([4, 16, BLOCK_N], gl.float32, layout=MMA)
-    for i in range(n_tiles):
-        cp.wait_group(STAGES - 2)
-        _barrier()
-        _issue_gather_grouped(raw, rope, i + STAGES - 1, n_tiles, nxt_raw, nxt_rope, n_slots, KV, KVH, STAGES,
-                              RAW3, ROPE3)
-        ahead = i + STAGES
-        nxt_raw = gl.load(idx_base + ahead * BLOCK_N + r_raw, mask=ahead < n_tiles, other=-1)
-        nxt_rope = gl.load(idx_base + ahead * BLOCK_N + r_rope, mask=ahead < n_tiles, other=-1)
-
-        slot = i % STAGES
-        r = raw.index(slot)
-        idx_c = gl.load(idx_base + i * BLOCK_N + kc)
-        ok_c = (idx_c >= 0) & (idx_c < n_slots)
-        idx_k = gl.load(idx_base + i * BLOCK_N + kk)
-        ok_k = (idx_k >= 0) & (idx_k < n_slots)
-        sc = gl.load(KVF + idx_k.to(gl.int64)[None, :] * 164 + 128 + gk[:, None],
-                     mask=gl.broadcast(ok_k[None, :], gk[:, None])[0], other=0.0) * 1048576.0  # [4, BLOCK_N]
-
-        kb = gl.inline_asm_elementwise(PTX, "=r,=r,r", [r.permute([0, 2, 1]).load(B4)], dtype=gl.bfloat16,
-                                       is_pure=True, pack=4)
-        s_part = mma_v2(q_lat, kb, zero) * sc[:, None, :]
-        s_part = mma_v2(q_rope, rope.index(slot).permute([0, 2, 1]).load(B2), s_part)
-        s = gl.sum(s_part, axis=0)  # the four groups' logits: across the warps
-        s = gl.where(ok_c[None, :], s * qk_scale_log2, float("-inf"))
-
-        m_i, alpha, p, l_i = _online_softmax(s, m_i, l_i)
-        # P_g = p * scale_g * 2^100 in warp g, x_g straight from the ring (x * 2^-120)
-        pg = (gl.expand_dims(p, 0) * (sc * 1.2089258196146292e24)[:, None, :]).to(gl.bfloat16)
-        pa = gl.convert_layout(pg, A2)
-        v = r._reinterpret(gl.int16, [4, BLOCK_N, 64], PAIRS_S).load(B2)
-        even, odd = gl.inline_asm_elementwise(PAIR_SPLIT, "=r,=r,r", [v], dtype=(gl.bfloat16, gl.bfloat16),
-                                              is_pure=True, pack=2)
-        a3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, gl.SliceLayout(2, MMA))), 0), 2)
-        acc_e = mma_v2(pa, even, acc_e * a3)
-        acc_o = mma_v2(pa, odd, acc_o * a3)
-    cp.wait_group(0)
-
-    empty = l_i == 0.0
-    inv = gl.where(empty, 0.0, 1048576.0 / gl.where(empty, 1.0, l_i))
-    inv3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(0, gl.SliceLayout(2, MMA))), 0), 2)
-    go = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
-    ho = head_block * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
-    co = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
-    o = (OUT + tok * stride_out_tok + split * stride_out_split + ho.to(gl.int64)[None, :, None] * stride_out_head
-         + go[:, None, None] * 128 + 2 * co[None, None, :])
-    om = gl.broadcast((ho < h_q)[None, :, None], o)[0]
-    out_dtype: gl.constexpr = gl.float32 if PARTIAL else gl.bfloat16
-    gl.store(o, (acc_e * inv3).to(out_dtype), mask=om)
-    gl.store(o + 1, (acc_o * inv3).to(out_dtype), mask=om)
-    hl = head_block * 16 + gl.arange(0, 16, layout=ROW)
-    empty_lse: gl.constexpr = float("-inf") if PARTIAL else float("inf")  # +inf: the contract's "no token"
-    lse = gl.where(empty, empty_lse, (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    if PAD_KB > 0:
-        lse = lse + _shared_kept(pad, num_warps)
-    gl.store(LSE + tok * stride_lse_tok + split * stride_lse_split + hl, lse, mask=hl < h_q)
-
-
 def compile_grouped(cap: int, block_n: int = 32, stages: int = 2, maxnreg: int | None = None,
-                    partial: bool = False) -> dict:
-    sig = {**_KERNEL_SIG, **{n: "i32" for n in ("stride_out_split", "stride_lse_tok", "stride_lse_split",
-                                                  "tokens_per_split", "n_split")}}
-    return _compile(gluon_fp8_grouped, cap, sig,
-                    {"BLOCK_N": block_n, "STAGES": stages, "PAD_KB": 0, "PARTIAL": partial}, _KERNEL_PTRS, maxnreg)
+                    partial: bool = False, trim: bool = False) -> dict:
+    """The launcher's Gluon kernel (mlafleet/kernels/sparse_mla_gluon.py) at other ring depths."""
+    spec = next(sp for sp in sm._gluon_specs(dataclasses.replace(sm.GLUON_FP8, block_n=block_n, num_stages=stages))
+                if sp["constexprs"]["PARTIAL"] == partial and sp["constexprs"]["TRIM_TAIL"] == trim)
+    return _compile(spec["fn"], cap, spec["signature"], spec["constexprs"], spec["aligned"], maxnreg)
 
 
 def gluon_fp8_fwd(q, cache, idx, sm_scale, block_n=32, stages=2, block_h=16, grouped=False, pad_kb=0):
     """out [s_q, h_q, 512] bf16, lse [s_q, h_q] for q [s_q, h_q, 576] bf16 over the fp8_ds_mla
-    rows `cache` (uint8, contiguous rows of 656 bytes) at idx [s_q, 1, topk] int32. The grouped
-    kernel splits each row's indices where the grid is small, by the Triton launcher's rule
-    (choose_num_splits), and merges them with its merge kernel; the prototype does not split."""
+    rows `cache` (uint8, contiguous rows of 656 bytes) at idx [s_q, 1, topk] int32. grouped: the
+    launcher's Gluon kernel through the launcher (its splits and merge where the grid is small),
+    or launched unsplit with pad_kb of held shared memory (--sm120-occupancy); the prototype does
+    not split."""
     import torch
-
-    from mlafleet.kernels import sparse_mla as sm
 
     s_q, h_q, _ = q.shape
     topk = idx.shape[-1]
     assert topk % block_n == 0 and q.stride(-1) == 1 and cache.is_contiguous()
     assert block_h == 16 or not grouped
     rows = cache.reshape(-1, 656)
+    if grouped and not pad_kb:
+        cfg = dataclasses.replace(sm.GLUON_FP8, block_n=block_n, num_stages=stages)
+        return sm.sparse_mla_fwd_fp8(q, rows, idx, sm_scale, config=cfg)
     out = q.new_empty((s_q, h_q, 512))
     lse = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
     hb = (h_q + block_h - 1) // block_h
-    args = (q[..., :512], q[..., 512:], rows, rows.view(torch.bfloat16), rows.view(torch.float32), idx)
-    tail = (rows.shape[0], h_q, topk, hb, sm_scale * 1.4426950408889634,
-            q.stride(0), q.stride(1), q.stride(0), q.stride(1), idx.stride(0))
-    if not grouped:
-        gluon_fp8_sparse_mla[(s_q * hb,)](*args, out, lse, *tail, out.stride(0), out.stride(1),
-                                          BLOCK_N=block_n, STAGES=stages, BLOCK_H=block_h,
-                                          num_warps=4 * block_h // 16, PAD_KB=pad_kb)
+    if grouped:
+        glu.launch(s_q * hb, q[..., :512], q[..., 512:], rows, rows.shape[0], idx, out,
+                   (out.stride(0), 0, out.stride(1)), lse, (lse.stride(0), 0), h_q, topk, topk, 1, hb,
+                   sm_scale * sm.LOG2E, block_n, stages, False, False, None, pad_kb=pad_kb)
         return out, lse
-    splits = sm.choose_num_splits(s_q, hb, topk, block_n, torch.cuda.get_device_properties(q.device).multi_processor_count)
-    per_split = triton.cdiv(triton.cdiv(topk, splits), block_n) * block_n
-    splits = triton.cdiv(topk, per_split)
-    if splits == 1:
-        gluon_fp8_grouped[(s_q * hb,)](*args, out, lse, *tail, out.stride(0), out.stride(1), 0, lse.stride(0), 0,
-                                       per_split, 1, BLOCK_N=block_n, STAGES=stages, num_warps=4, PAD_KB=pad_kb)
-        return out, lse
-    part = torch.empty((s_q, splits, h_q, 512), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((s_q, splits, h_q), dtype=torch.float32, device=q.device)
-    gluon_fp8_grouped[(s_q * splits * hb,)](*args, part, part_lse, *tail, part.stride(0), part.stride(2),
-                                            part.stride(1), part_lse.stride(0), part_lse.stride(1), per_split, splits,
-                                            BLOCK_N=block_n, STAGES=stages, num_warps=4, PAD_KB=pad_kb, PARTIAL=True)
-    sm._merge_splits_kernel[(s_q * h_q * 4,)](
-        part, part.stride(0), part.stride(1), part.stride(2), part_lse, part_lse.stride(0), part_lse.stride(1),
-        part_lse.stride(2), out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1), h_q, splits,
-        BLOCK_SPLIT=triton.next_power_of_2(splits), num_warps=sm.MERGE_NUM_WARPS)
+    gluon_fp8_sparse_mla[(s_q * hb,)](q[..., :512], q[..., 512:], rows, rows.view(torch.bfloat16),
+                                      rows.view(torch.float32), idx, out, lse, rows.shape[0], h_q, topk, hb,
+                                      sm_scale * sm.LOG2E, q.stride(0), q.stride(1), q.stride(0), q.stride(1),
+                                      idx.stride(0), out.stride(0), out.stride(1),
+                                      BLOCK_N=block_n, STAGES=stages, BLOCK_H=block_h,
+                                      num_warps=4 * block_h // 16, PAD_KB=pad_kb)
     return out, lse
+
 
 def _label(v: dict) -> str:
     return (("grouped, " if v.get("grouped") else "") + f"h{v.get('block_h', 16)}, {v.get('stages', 2)} stages"
@@ -677,7 +468,6 @@ def run_on_gpu(variants, pin_triton_shared: int = 0,
 
     _sys.path.insert(0, str(Path(__file__).resolve().parent))
     from cuda_timing import time_graph
-    from mlafleet.kernels import sparse_mla as sm
 
     dev, gen = "cuda", torch.Generator(device="cuda").manual_seed(0)
     scale = 576 ** -0.5

@@ -62,17 +62,20 @@ CASES = [(kind, s_q, h_q) for kind in ("bf16", "fp8") for s_q, h_q in SHAPES] + 
 # under their names), plus any experiment added here (each must fit SM120: check it offline
 # with mlafleet.kernels.sm120 before a run)
 CANDIDATES: dict[str, list[sm.KernelConfig]] = {
-    dtype: [cfg for (d, _), cfg in sm.CONFIGS.items() if d == dtype] for dtype in ("bf16", "fp8")}
+    "bf16": [cfg for (d, _), cfg in sm.CONFIGS.items() if d == "bf16"],
+    # and the Gluon kernel (the launcher's fp8_ds_mla choice on SM12x), on a GPU only
+    "fp8": [cfg for (d, _), cfg in sm.CONFIGS.items() if d == "fp8"] + [sm.GLUON_FP8]}
 # --sweep: split counts for every candidate at these (s_q, h_q)
 SPLIT_SWEEP = {(1, 8): (16, 64), (8, 8): (16, 32), (8, 64): (4, 8), (64, 32): (1, 2), (64, 64): (1, 2)}
 
 
 def cfg_name(cfg: sm.KernelConfig, kind: str = "fp8") -> str:
     """h heads, n keys a step, w warps, s stages; fp8: k = scales on the keys, else on the logits;
-    u = the untrimmed key loop (no TRIM_TAIL even for prefill batches); z = the lazy rescale."""
+    u = the untrimmed key loop (no TRIM_TAIL even for prefill batches); z = the lazy rescale;
+    gluon-: the Gluon fp8_ds_mla kernel (sparse_mla_gluon.py)."""
     extra = (("" if kind == "bf16" or cfg.scale_logits else "k") + ("" if cfg.trim_tail else "u")
              + ("z" if cfg.lazy_rescale else ""))
-    return f"h{cfg.block_h}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}{extra}"
+    return f"{'gluon-' if cfg.gluon else ''}h{cfg.block_h}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}{extra}"
 
 
 def load_flashmla(root: str | None):
@@ -166,8 +169,13 @@ def row_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def all_configs() -> list[tuple[str, sm.KernelConfig]]:
     """Every (cache dtype, config) the checks force: CANDIDATES (the launcher's CONFIGS and any
-    experiment), each once."""
-    return list(dict.fromkeys((dtype, cfg) for dtype, cfgs in CANDIDATES.items() for cfg in cfgs))
+    experiment), each once; on the CPU (--cpu-dry-run) not the Gluon kernel, which the interpreter
+    cannot run."""
+    return list(dict.fromkeys((dtype, cfg) for dtype, cfgs in CANDIDATES.items() for cfg in candidates(cfgs)))
+
+
+def candidates(cfgs: list[sm.KernelConfig]) -> list[sm.KernelConfig]:
+    return [cfg for cfg in cfgs if DEV == "cuda" or not cfg.gluon]
 
 
 def correctness(fm, before, kv: torch.Tensor, cache: torch.Tensor, gen: torch.Generator) -> list[dict]:
@@ -220,7 +228,7 @@ def launches(before) -> list[tuple[str, str, int, int, sm.KernelConfig | None, i
         if before is not None:
             out.append(("before", kind, s_q, h_q, None, None))
     for kind, s_q, h_q in CASES:
-        for cfg in CANDIDATES[kind]:
+        for cfg in candidates(CANDIDATES[kind]):
             out.append(("ours", kind, s_q, h_q, cfg, None))
             for splits in SPLIT_SWEEP.get((s_q, h_q), ()):
                 out.append(("ours", kind, s_q, h_q, cfg, splits))
@@ -288,7 +296,7 @@ def bench_case(fm, before, kind: str, s_q: int, h_q: int, kv: torch.Tensor, cach
         result["ours_vs_flashmla_err"] = row_error(ours(qs[0], idxs[0])[0], theirs(qs[0], idxs[0]))
     if sweep:
         result["sweep_us"] = {}
-        for cfg in CANDIDATES[kind]:
+        for cfg in candidates(CANDIDATES[kind]):
             result["sweep_us"][cfg_name(cfg, kind)] = round(timed(caller(sm, kind, src, cfg, None), 10) * 1e6, 1)
             for splits in SPLIT_SWEEP.get((s_q, h_q), ()):
                 result["sweep_us"][f"{cfg_name(cfg, kind)}/s{splits}"] = round(

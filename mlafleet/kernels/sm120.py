@@ -65,7 +65,7 @@ _PTXAS_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, 
 def compile_for_sm120(fn: Any, signature: dict[str, str], constexprs: dict[str, Any],
                       num_warps: int, num_stages: int, aligned: Iterable[str] = (),
                       capability: int = SM120_CAPABILITY, maxnreg: int | None = None) -> Sm120Report:
-    """Compile `fn` (a @triton.jit function) for sm_120 and report its resources.
+    """Compile `fn` (a @triton.jit or @gluon.jit function) for sm_120 and report its resources.
 
     signature: the runtime arguments, name -> Triton type ("*bf16", "*u8", "i32", "i64", "fp32").
     constexprs: the constexpr arguments, name -> value.
@@ -83,6 +83,9 @@ def compile_for_sm120(fn: Any, signature: dict[str, str], constexprs: dict[str, 
     if not isinstance(fn, (triton.runtime.JITFunction, InterpretedFunction)):
         raise TypeError(f"compile_for_sm120: {fn!r} is not a @triton.jit function")
     names = list(fn.arg_names)
+    gluon = _is_gluon(fn)
+    if gluon and "num_warps" in names:  # a Gluon kernel takes num_warps as a constexpr argument
+        constexprs = {**constexprs, "num_warps": num_warps}
     unknown = (set(signature) | set(constexprs)) - set(names)
     if unknown:
         raise ValueError(f"compile_for_sm120: {fn.__name__} has no arguments {sorted(unknown)}")
@@ -94,14 +97,19 @@ def compile_for_sm120(fn: Any, signature: dict[str, str], constexprs: dict[str, 
         raise ValueError(f"compile_for_sm120: aligned names {sorted(aligned - set(signature))} "
                          "are not runtime arguments")
 
-    if isinstance(fn, InterpretedFunction):
+    if isinstance(fn, InterpretedFunction) or (gluon and os.environ.get("TRITON_INTERPRET")):
         return _compile_in_child(fn, signature, constexprs, num_warps, num_stages, aligned, capability,
                                  maxnreg)
 
     full_signature = {n: signature.get(n, "constexpr") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    source = triton.compiler.ASTSource(fn=fn, signature=full_signature, constexprs=constexprs,
-                                       attrs=attrs)
+    if gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        source = GluonASTSource(fn=fn, signature=full_signature, constexprs=constexprs, attrs=attrs)
+    else:
+        source = triton.compiler.ASTSource(fn=fn, signature=full_signature, constexprs=constexprs,
+                                           attrs=attrs)
     options = {"num_warps": num_warps, "num_stages": num_stages}
     if maxnreg is not None:
         options["maxnreg"] = maxnreg
@@ -110,6 +118,15 @@ def compile_for_sm120(fn: Any, signature: dict[str, str], constexprs: dict[str, 
     return Sm120Report(name=fn.__name__, shared_bytes=int(compiled.metadata.shared),
                        registers=registers, spill_store_bytes=spill_st, spill_load_bytes=spill_ld,
                        stack_bytes=stack, num_warps=num_warps, num_stages=num_stages)
+
+
+def _is_gluon(fn: Any) -> bool:
+    """A @gluon.jit function (Triton's explicit-layout dialect: triton.experimental.gluon)."""
+    try:
+        from triton.experimental.gluon._runtime import GluonJITFunction
+    except ImportError:  # a Triton without Gluon has no Gluon kernels either
+        return False
+    return isinstance(fn, GluonJITFunction)
 
 
 def _ptxas_usage(ptx: str, capability: int) -> tuple[int, int, int, int]:

@@ -17,10 +17,11 @@ This module holds the readable float32 references and the fp8_ds_mla quantiser (
 truth), the Triton kernels with their launcher, and the public entry points
 sparse_mla_fwd / sparse_mla_fwd_fp8 / sparse_mla_fwd_fp8_e4m3, and the layouts of vLLM's KV cache
 by kv_cache_dtype with `attend` over each (what the backends call). It imports only torch and
-triton.
+triton; on SM12x the launcher also runs the Gluon fp8_ds_mla kernel of sparse_mla_gluon.py
+(imported on its first use there).
 
 On a CUDA GPU the kernels are compiled; with TRITON_INTERPRET=1 set before triton is imported
-they run on CPU tensors in Triton's interpreter (the CI tests). Every config the launcher can
+the Triton kernels run on CPU tensors in Triton's interpreter (the CI tests). Every config the launcher can
 choose fits SM120 (sm120_compile_specs, checked by tests/kernels/test_sparse_mla_sm120.py).
 Benchmark against FlashMLA: bench/sparse_mla.py, results in docs/perf-kernels.md.
 """
@@ -588,6 +589,9 @@ class KernelConfig:
     # cap a kernel at an occupancy step it cannot reach and spill; None leaves ptxas its own choice
     # (the 64-key 4-warp bf16 kernel spills 40 bytes with any `.maxnreg`, none at 187 registers without)
     sm12x_maxnreg: int | None = 255
+    # fp8_ds_mla only: the Gluon kernel (sparse_mla_gluon.py: one warp per scale group, P.V from the
+    # raw bytes, 49 KB of shared memory), not _sparse_mla_kernel; GPU only (not in the interpreter)
+    gluon: bool = False
 
 
 # The only configs the launcher can choose, by (cache dtype, name). Every one must fit SM120
@@ -611,6 +615,13 @@ CONFIGS: dict[tuple[str, str], KernelConfig] = {
 # every register: Triton passes `.maxnreg` (the config's sm12x_maxnreg), without which ptxas 13.1
 # (Triton 3.7's) caps some configs at an occupancy step they cannot reach anyway and spills.
 # Elsewhere (Hopper, where two programs share an SM) ptxas keeps its own choice.
+# The Gluon fp8_ds_mla kernel (sparse_mla_gluon.py): on SM12x the launcher's choice for fp8_ds_mla
+# where s_q x head blocks fill the GPU (no splits), the Triton kernel below that. It needs its
+# operands' inner dims contiguous and whole 32-key tiles (_gluon_unfit), else Triton runs.
+# Two of its programs share an sm_120 SM (49 KB) where the Triton fp8 kernel's 94 KB hold one:
+# H200 with sm_120's programs an SM, 0.77-0.86x the Triton fp8 kernel's time at s_q >= 256
+# (docs/perf-kernels.md, eighth pass); at the H200's own occupancy 1.02-1.08x, so SM12x only.
+GLUON_FP8 = KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, gluon=True)
 MAX_SPLITS = 64  # the merge kernel holds all splits of a row in one tile
 MERGE_NUM_WARPS = 4
 DEFAULT_NUM_SMS = 132  # used where no CUDA device answers (the interpreter)
@@ -624,10 +635,15 @@ MIN_SPLIT_TOKENS = 64  # ... but give each split at least this many keys (H200 s
 TRIM_TAIL_MIN_TOKENS = 64
 
 
-def choose_config(h_q: int, fp8: bool = False) -> KernelConfig:
+def choose_config(h_q: int, fp8: bool = False, s_q: int = 0, num_sms: int = DEFAULT_NUM_SMS,
+                  sm12x: bool = False) -> KernelConfig:
     """The config for h_q heads. bf16: 32 keys a step up to 16 heads (one head block: the
     gathers are the limit), 64 keys over 4 warps beyond. fp8_ds_mla: the per-128 scales on
-    the keys up to 16 heads, on the logits and probabilities beyond (H200, docs/perf-kernels.md)."""
+    the keys up to 16 heads, on the logits and probabilities beyond (H200, docs/perf-kernels.md);
+    on SM12x (sm12x: an fp8_ds_mla cache on a compute capability 12.x GPU) the Gluon kernel
+    (GLUON_FP8) where s_q tokens x its head blocks fill num_sms SMs without splits."""
+    if fp8 and sm12x and s_q * math.ceil(h_q / GLUON_FP8.block_h) >= num_sms:
+        return GLUON_FP8
     if fp8:
         return CONFIGS[("fp8", "h16n32-scaled-keys" if h_q <= 16 else "h16n32-scaled-logits")]
     return CONFIGS[("bf16", "h16n32" if h_q <= 16 else "h16n64")]
@@ -659,8 +675,11 @@ def sm120_compile_specs(configs: list[tuple[str, KernelConfig]] | None = None,
     divisible by 16).
     """
     specs = []
-    for dtype, cfg in configs or [(dtype, cfg) for (dtype, _), cfg in CONFIGS.items()]:
+    for dtype, cfg in configs or [*((dtype, cfg) for (dtype, _), cfg in CONFIGS.items()), ("fp8", GLUON_FP8)]:
         fp8 = dtype == "fp8"
+        if cfg.gluon:
+            specs.extend(_gluon_specs(cfg))
+            continue
         for partial, rope_e4m3, trim in [(p, r, t) for p in (False, True) for r in ((False, True) if fp8 else (False,))
                                          for t in ((False, True) if cfg.trim_tail else (False,))]:
             signature = {
@@ -697,17 +716,55 @@ def sm120_compile_specs(configs: list[tuple[str, KernelConfig]] | None = None,
     return specs
 
 
+def _gluon_specs(cfg: KernelConfig) -> list[dict]:
+    """The Gluon fp8_ds_mla kernel's launches, as sm120_compile_specs gives them: final and partial,
+    untrimmed and trimmed."""
+    from . import sparse_mla_gluon as glu
+
+    signature = {n: "i32" for n in glu.sparse_mla_fp8_grouped.arg_names}
+    signature.update({"Q": "*bf16", "Q_ROPE": "*bf16", "KV": "*u8", "KVH": "*bf16", "KVF": "*fp32",
+                      "IDX": "*i32", "LSE": "*fp32", "qk_scale_log2": "fp32"})
+    for name in ("BLOCK_N", "STAGES", "PARTIAL", "TRIM_TAIL", "num_warps", "PAD_KB"):
+        del signature[name]
+    aligned = ["Q", "Q_ROPE", "KV", "KVH", "KVF", "IDX", "OUT", "LSE", "stride_q_tok", "stride_q_head",
+               "stride_qr_tok", "stride_qr_head", "stride_kv_tok", "stride_out_tok", "stride_out_head"]
+    return [{"fn": glu.sparse_mla_fp8_grouped, "signature": {**signature, "OUT": "*fp32" if partial else "*bf16"},
+             "constexprs": {"BLOCK_N": cfg.block_n, "STAGES": cfg.num_stages, "PARTIAL": partial, "TRIM_TAIL": trim,
+                            "PAD_KB": 0},
+             "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "aligned": aligned, "maxnreg": cfg.sm12x_maxnreg}
+            for partial in (False, True) for trim in (False, True)]
+
+
 @functools.cache
 def _is_sm12x(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] == 12
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _maxnreg(device: torch.device, cfg: KernelConfig) -> int | None:
     """Triton's `maxnreg` for cfg's launches on `device`: its sm12x_maxnreg on compute capability 12.x."""
     if device.type != "cuda":
         return None
-    return cfg.sm12x_maxnreg if _is_sm12x(device.index if device.index is not None
-                                           else torch.cuda.current_device()) else None
+    return cfg.sm12x_maxnreg if _is_sm12x(_device_index(device)) else None
+
+
+def _gluon_unfit(q: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor,
+                 cfg: KernelConfig) -> str | None:
+    """Why the Gluon fp8_ds_mla kernel cannot take these operands (None: it can): it reads each q
+    half's dims, a token's indices and a row's 656 bytes contiguously, gathers rows 16 bytes at a
+    time and walks whole tiles of block_n indices."""
+    if q.stride(2) != 1 or q_rope.stride(2) != 1:
+        return "q's dims are not contiguous"
+    if indices.stride(2) != 1:
+        return "a token's indices are not contiguous"
+    if indices.shape[2] % cfg.block_n:
+        return f"topk {indices.shape[2]} is not a multiple of {cfg.block_n}"
+    if rows.stride(0) % 16 or rows.data_ptr() % 16:
+        return "the cache's rows do not start on 16-byte boundaries"
+    return None
 
 
 def _interpreted() -> bool:
@@ -729,11 +786,20 @@ def _run(q: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, stride_kv_tok:
                          "(CPU tensors run only under TRITON_INTERPRET=1, set before triton is imported)")
     s_q, h_q, _ = q.shape
     topk = indices.shape[2]
-    cfg = config or choose_config(h_q, fp8)
+    num_sms = (DEFAULT_NUM_SMS if interpreted
+               else torch.cuda.get_device_properties(q.device).multi_processor_count)
+    cfg = config or choose_config(h_q, fp8, s_q, num_sms, sm12x=fp8 and kv_scale is None and not interpreted
+                                  and _is_sm12x(_device_index(q.device)))
+    if config is None and cfg.gluon and _gluon_unfit(q, q_rope, kv, indices, cfg) is not None:
+        cfg = choose_config(h_q, fp8)  # operands the Gluon kernel cannot read as they lie: Triton's
+    if cfg.gluon:
+        why = ("not an fp8_ds_mla cache" if not fp8 or kv_scale is not None
+               else "Triton's CPU interpreter cannot run Gluon kernels" if interpreted
+               else _gluon_unfit(q, q_rope, kv, indices, cfg))
+        if why:
+            raise ValueError(f"sparse MLA: the Gluon fp8_ds_mla kernel cannot run here: {why}")
     n_head_blocks = triton.cdiv(h_q, cfg.block_h)
     if num_splits is None:
-        num_sms = (DEFAULT_NUM_SMS if interpreted
-                   else torch.cuda.get_device_properties(q.device).multi_processor_count)
         num_splits = choose_num_splits(s_q, n_head_blocks, topk, cfg.block_n, num_sms,
                                        cfg.programs_per_sm, cfg.split_round_up)
     if not 1 <= num_splits <= MAX_SPLITS:
@@ -757,21 +823,30 @@ def _run(q: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, stride_kv_tok:
         lse_strides = (lse.stride(0), 0, lse.stride(1))
 
     grid = (s_q * num_splits * n_head_blocks,)
-    _sparse_mla_kernel[grid](
-        q, q.stride(0), q.stride(1), q.stride(2),
-        q_rope, q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
-        kv, stride_kv_tok, n_slots,
-        indices, indices.stride(0), indices.stride(2),
-        dst_out, *out_strides,
-        dst_lse, *lse_strides,
-        h_q, topk, tokens_per_split, num_splits, n_head_blocks,
-        sm_scale * LOG2E,
-        kv_scale if kv_scale is not None else lse,  # read only for a plain fp8 cache
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, FP8=fp8, ROPE_E4M3=kv_scale is not None, PARTIAL=partial,
-        SCALE_LOGITS=cfg.scale_logits,
-        DOT_F32=interpreted, TRIM_TAIL=cfg.trim_tail and s_q >= TRIM_TAIL_MIN_TOKENS, LAZY_RESCALE=cfg.lazy_rescale,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=_maxnreg(q.device, cfg),
-    )
+    trim = cfg.trim_tail and s_q >= TRIM_TAIL_MIN_TOKENS
+    if cfg.gluon:
+        from . import sparse_mla_gluon
+
+        sparse_mla_gluon.launch(grid[0], q, q_rope, kv, n_slots, indices, dst_out, out_strides, dst_lse,
+                                lse_strides[:2], h_q, topk, tokens_per_split, num_splits, n_head_blocks,
+                                sm_scale * LOG2E, cfg.block_n, cfg.num_stages, partial, trim,
+                                _maxnreg(q.device, cfg))
+    else:
+        _sparse_mla_kernel[grid](
+            q, q.stride(0), q.stride(1), q.stride(2),
+            q_rope, q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
+            kv, stride_kv_tok, n_slots,
+            indices, indices.stride(0), indices.stride(2),
+            dst_out, *out_strides,
+            dst_lse, *lse_strides,
+            h_q, topk, tokens_per_split, num_splits, n_head_blocks,
+            sm_scale * LOG2E,
+            kv_scale if kv_scale is not None else lse,  # read only for a plain fp8 cache
+            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, FP8=fp8, ROPE_E4M3=kv_scale is not None, PARTIAL=partial,
+            SCALE_LOGITS=cfg.scale_logits,
+            DOT_F32=interpreted, TRIM_TAIL=trim, LAZY_RESCALE=cfg.lazy_rescale,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=_maxnreg(q.device, cfg),
+        )
     if partial:
         _merge_splits_kernel[(s_q * h_q * 4,)](
             dst_out, dst_out.stride(0), dst_out.stride(1), dst_out.stride(2),

@@ -17,6 +17,8 @@ import torch
 from mlafleet.kernels.sparse_mla import (
     CONFIGS,
     FP8_TOKEN_BYTES,
+    GLUON_FP8,
+    _gluon_unfit,
     choose_config,
     choose_num_splits,
     dequantize_fp8_ds_mla,
@@ -409,6 +411,41 @@ def test_launcher_choices() -> None:
     for s_q in range(1, 300):
         n = choose_num_splits(s_q, 1, 2048, 32, 132)
         assert n & (n - 1) == 0 and 1 <= n <= 32
+    # SM12x, fp8_ds_mla: the Gluon kernel where s_q x 16-head blocks fill the SMs (188: RTX PRO 6000),
+    # the Triton kernel below (decode, small batches) and on every other GPU, and never for bf16
+    assert choose_config(8, True, s_q=188, num_sms=188, sm12x=True) is GLUON_FP8
+    assert choose_config(32, True, s_q=94, num_sms=188, sm12x=True) is GLUON_FP8  # 2 head blocks
+    assert choose_config(32, True, s_q=93, num_sms=188, sm12x=True) == choose_config(32, True)
+    assert choose_config(8, True, s_q=187, num_sms=188, sm12x=True) == choose_config(8, True)
+    assert choose_config(8, True, s_q=4096, num_sms=132, sm12x=False) == choose_config(8, True)
+    assert choose_config(8, False, s_q=4096, num_sms=188, sm12x=True) == choose_config(8, False)
+    assert choose_config(8, True, s_q=4096, num_sms=188, sm12x=True) not in CONFIGS.values()
+
+
+def test_gluon_kernel_refusals(gen: torch.Generator) -> None:
+    # forced where it cannot run, the Gluon config says why, before anything is launched
+    s_kv = 128
+    idx = random_indices(gen, 2, 64, s_kv)
+    q = torch.randn(2, 16, 576, generator=gen).bfloat16()
+    kv = make_cache(gen, s_kv, idx)
+    cache = make_fp8_cache(kv, idx)
+    with pytest.raises(ValueError, match="interpreter cannot run Gluon"):
+        sparse_mla_fwd_fp8(q, cache, idx, SCALE, config=GLUON_FP8)
+    plain, scale = make_plain_fp8_cache(kv, idx)
+    with pytest.raises(ValueError, match="not an fp8_ds_mla cache"):
+        sparse_mla_fwd_fp8_e4m3(q, plain, idx, SCALE, scale, config=GLUON_FP8)
+    with pytest.raises(ValueError, match="not an fp8_ds_mla cache"):
+        sparse_mla_fwd(q, kv, idx, SCALE, config=GLUON_FP8)
+    # what it cannot read as it lies (the launcher's own choice then falls back to Triton's kernel)
+    rows = cache.reshape(-1, FP8_TOKEN_BYTES)
+    latent, rope = q[..., :512], q[..., 512:]
+    assert _gluon_unfit(latent, rope, rows, idx, GLUON_FP8) is None
+    assert "q's dims" in _gluon_unfit(q.transpose(1, 2).contiguous().transpose(1, 2)[..., :512], rope, rows, idx,
+                                      GLUON_FP8)
+    assert "indices are not contiguous" in _gluon_unfit(latent, rope, rows, idx[..., ::2], GLUON_FP8)
+    assert "topk 48 is not a multiple of 32" in _gluon_unfit(latent, rope, rows, idx[..., :48], GLUON_FP8)
+    wide = torch.zeros(s_kv, FP8_TOKEN_BYTES + 4, dtype=torch.uint8)[:, :FP8_TOKEN_BYTES]  # rows 660 bytes apart
+    assert "16-byte boundaries" in _gluon_unfit(latent, rope, wide, idx, GLUON_FP8)
 
 
 @pytest.mark.parametrize("h_q, topk, num_splits", [(8, 64, 1), (24, 1000, None), (16, 200, 3)])

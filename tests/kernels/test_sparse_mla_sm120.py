@@ -59,3 +59,18 @@ def test_every_config_fits_sm120(reports: list[dict]) -> None:
     assert not spilled, f"register spills: {spilled}"
     assert all(0 < r["registers"] <= 255 for r in reports)
     assert all(r["shared_bytes"] > 0 for r in reports if r["name"] == "_sparse_mla_kernel")
+
+
+def test_gluon_kernel_fits_two_programs_an_sm(reports: list[dict]) -> None:
+    # the Gluon fp8_ds_mla kernel (SM12x's fp8_ds_mla prefill path): final and partial outputs, each
+    # with and without the trimmed key loop; its point is two programs an sm_120 SM, in shared
+    # memory (2 x 49 KB of 99 KB) and in registers (2 x 4 warps x 32 threads x registers of 64K)
+    from mlafleet.kernels.sparse_mla import GLUON_FP8
+
+    gluon = [r for r in reports if r["name"] == "sparse_mla_fp8_grouped"]
+    assert {(r["constexprs"]["PARTIAL"], r["constexprs"]["TRIM_TAIL"]) for r in gluon} == {
+        (p, t) for p in (False, True) for t in (False, True)}
+    for r in gluon:
+        assert r["constexprs"]["STAGES"] == GLUON_FP8.num_stages and r["num_warps"] == 4
+        assert 2 * r["shared_bytes"] <= SM120_MAX_SHARED_BYTES, r
+        assert 2 * 128 * r["registers"] <= 65536, r
