@@ -35,6 +35,7 @@ fp8 and bf16 times.
 import argparse
 import collections
 import dataclasses
+import functools
 import re
 import subprocess
 import tempfile
@@ -393,8 +394,8 @@ def gluon_fp8_fwd(q, cache, idx, sm_scale, block_n=32, stages=2, block_h=16, gro
     """out [s_q, h_q, 512] bf16, lse [s_q, h_q] for q [s_q, h_q, 576] bf16 over the fp8_ds_mla
     rows `cache` (uint8, contiguous rows of 656 bytes) at idx [s_q, 1, topk] int32. grouped: the
     launcher's Gluon kernel through the launcher (its splits and merge where the grid is small),
-    or launched unsplit with pad_kb of held shared memory (--sm120-occupancy); the prototype does
-    not split."""
+    each launch holding pad_kb more of shared memory if given (--sm120-occupancy); the prototype
+    does not split."""
     import torch
 
     s_q, h_q, _ = q.shape
@@ -402,17 +403,18 @@ def gluon_fp8_fwd(q, cache, idx, sm_scale, block_n=32, stages=2, block_h=16, gro
     assert topk % block_n == 0 and q.stride(-1) == 1 and cache.is_contiguous()
     assert block_h == 16 or not grouped
     rows = cache.reshape(-1, 656)
-    if grouped and not pad_kb:
+    if grouped:
         cfg = dataclasses.replace(sm.GLUON_FP8, block_n=block_n, num_stages=stages)
-        return sm.sparse_mla_fwd_fp8(q, rows, idx, sm_scale, config=cfg)
+        launch = glu.launch
+        if pad_kb:  # the launcher's launches, each with pad_kb of shared memory held (--sm120-occupancy)
+            glu.launch = functools.partial(launch, pad_kb=pad_kb)
+        try:
+            return sm.sparse_mla_fwd_fp8(q, rows, idx, sm_scale, config=cfg)
+        finally:
+            glu.launch = launch
     out = q.new_empty((s_q, h_q, 512))
     lse = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
     hb = (h_q + block_h - 1) // block_h
-    if grouped:
-        glu.launch(s_q * hb, q[..., :512], q[..., 512:], rows, rows.shape[0], idx, out,
-                   (out.stride(0), 0, out.stride(1)), lse, (lse.stride(0), 0), h_q, topk, topk, 1, hb,
-                   sm_scale * sm.LOG2E, block_n, stages, False, False, None, pad_kb=pad_kb)
-        return out, lse
     gluon_fp8_sparse_mla[(s_q * hb,)](q[..., :512], q[..., 512:], rows, rows.view(torch.bfloat16),
                                       rows.view(torch.float32), idx, out, lse, rows.shape[0], h_q, topk, hb,
                                       sm_scale * sm.LOG2E, q.stride(0), q.stride(1), q.stride(0), q.stride(1),
@@ -548,8 +550,11 @@ def main() -> None:
                         help="with --run: time the prototypes at the programs an SM that sm_120 allows")
     args = parser.parse_args()
     if args.run:
-        if args.small:
-            run_on_gpu(SMALL_VARIANTS, shapes=((1, 8), (8, 8), (64, 8), (64, 16), (64, 32), (256, 8)))
+        small = ((1, 8), (8, 8), (64, 8), (64, 16), (64, 32), (256, 8))
+        if args.small and args.sm120_occupancy:  # the grouped kernel split, at sm_120's programs an SM
+            run_on_gpu([{"stages": 2, "grouped": True, "pad_kb": 32}], pin_triton_shared=116 * 1024, shapes=small)
+        elif args.small:
+            run_on_gpu(SMALL_VARIANTS, shapes=small)
         elif args.sm120_occupancy:  # the Triton kernels (bf16 and fp8: 94 KB, one program an sm_120 SM) too
             run_on_gpu(SM120_OCCUPANCY_VARIANTS, pin_triton_shared=116 * 1024)
         else:

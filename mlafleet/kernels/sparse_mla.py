@@ -616,12 +616,14 @@ CONFIGS: dict[tuple[str, str], KernelConfig] = {
 # (Triton 3.7's) caps some configs at an occupancy step they cannot reach anyway and spills.
 # Elsewhere (Hopper, where two programs share an SM) ptxas keeps its own choice.
 # The Gluon fp8_ds_mla kernel (sparse_mla_gluon.py): on SM12x the launcher's choice for fp8_ds_mla
-# where s_q x head blocks fill the GPU (no splits), the Triton kernel below that. It needs its
-# operands' inner dims contiguous and whole 32-key tiles (_gluon_unfit), else Triton runs.
-# Two of its programs share an sm_120 SM (49 KB) where the Triton fp8 kernel's 94 KB hold one:
-# H200 with sm_120's programs an SM, 0.77-0.86x the Triton fp8 kernel's time at s_q >= 256
-# (docs/perf-kernels.md, eighth pass); at the H200's own occupancy 1.02-1.08x, so SM12x only.
+# from GLUON_MIN_GRID_PER_SM x the SM count of programs before splits (s_q x 16-head blocks), the
+# Triton kernel below that (decode). It needs its operands' inner dims contiguous and whole 32-key
+# tiles (_gluon_unfit), else Triton runs. Two of its programs share an sm_120 SM (49 KB) where the
+# Triton fp8 kernel's 94 KB hold one. H200 with sm_120's programs an SM (docs/perf-kernels.md,
+# eighth pass): 0.77-0.86x the Triton fp8 kernel's time at s_q >= 256, 0.84-0.94x at 64 tokens
+# (split), 1.01x at 8 x 8, 1.32x at 1 x 8; at the H200's own occupancy 1.02-1.32x: SM12x only.
 GLUON_FP8 = KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, gluon=True)
+GLUON_MIN_GRID_PER_SM = 0.25  # 64 x 8 on 132 SMs (0.48 an SM): Gluon faster; 8 x 8 (0.06): even
 MAX_SPLITS = 64  # the merge kernel holds all splits of a row in one tile
 MERGE_NUM_WARPS = 4
 DEFAULT_NUM_SMS = 132  # used where no CUDA device answers (the interpreter)
@@ -641,8 +643,8 @@ def choose_config(h_q: int, fp8: bool = False, s_q: int = 0, num_sms: int = DEFA
     gathers are the limit), 64 keys over 4 warps beyond. fp8_ds_mla: the per-128 scales on
     the keys up to 16 heads, on the logits and probabilities beyond (H200, docs/perf-kernels.md);
     on SM12x (sm12x: an fp8_ds_mla cache on a compute capability 12.x GPU) the Gluon kernel
-    (GLUON_FP8) where s_q tokens x its head blocks fill num_sms SMs without splits."""
-    if fp8 and sm12x and s_q * math.ceil(h_q / GLUON_FP8.block_h) >= num_sms:
+    (GLUON_FP8) from s_q tokens x its head blocks >= GLUON_MIN_GRID_PER_SM x num_sms on."""
+    if fp8 and sm12x and s_q * math.ceil(h_q / GLUON_FP8.block_h) >= GLUON_MIN_GRID_PER_SM * num_sms:
         return GLUON_FP8
     if fp8:
         return CONFIGS[("fp8", "h16n32-scaled-keys" if h_q <= 16 else "h16n32-scaled-logits")]

@@ -1,9 +1,9 @@
 """The fp8_ds_mla sparse-MLA kernel in Gluon (Triton's explicit-layout dialect), for SM12x.
 
-sparse_mla.py's launcher runs it for fp8_ds_mla caches on compute capability 12.x where the grid
-fills the GPU without splitting the indices (prefill; decode keeps the Triton kernel), and on any
-GPU when a test or benchmark forces its config (CONFIGS[("fp8", "gluon-grouped")]). Same contract,
-same output; docs/perf-kernels.md ("Seventh pass", "Eighth pass") has the measurements that chose it.
+sparse_mla.py's launcher runs it for fp8_ds_mla caches on compute capability 12.x from batches of
+a quarter of the SM count in programs on (sparse_mla.GLUON_MIN_GRID_PER_SM; decode keeps the Triton
+kernel), and on any GPU when a test or benchmark forces its config (sparse_mla.GLUON_FP8). Same
+contract, same output; docs/perf-kernels.md ("Seventh pass", "Eighth pass") has the measurements that chose it.
 
 One program = one query token x 16 heads x one split of its indices, 4 warps, one per scale group
 (128 latent dims) as the batch dimension of a batched mma_v2 (tensor-core MMA, sm_80 and later):

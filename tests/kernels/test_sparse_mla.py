@@ -411,12 +411,14 @@ def test_launcher_choices() -> None:
     for s_q in range(1, 300):
         n = choose_num_splits(s_q, 1, 2048, 32, 132)
         assert n & (n - 1) == 0 and 1 <= n <= 32
-    # SM12x, fp8_ds_mla: the Gluon kernel where s_q x 16-head blocks fill the SMs (188: RTX PRO 6000),
-    # the Triton kernel below (decode, small batches) and on every other GPU, and never for bf16
-    assert choose_config(8, True, s_q=188, num_sms=188, sm12x=True) is GLUON_FP8
-    assert choose_config(32, True, s_q=94, num_sms=188, sm12x=True) is GLUON_FP8  # 2 head blocks
-    assert choose_config(32, True, s_q=93, num_sms=188, sm12x=True) == choose_config(32, True)
-    assert choose_config(8, True, s_q=187, num_sms=188, sm12x=True) == choose_config(8, True)
+    # SM12x, fp8_ds_mla: the Gluon kernel from s_q x 16-head blocks >= a quarter of the SMs on (188:
+    # RTX PRO 6000), the Triton kernel below (decode) and on every other GPU, and never for bf16
+    assert choose_config(8, True, s_q=47, num_sms=188, sm12x=True) is GLUON_FP8
+    assert choose_config(32, True, s_q=24, num_sms=188, sm12x=True) is GLUON_FP8  # 2 head blocks
+    assert choose_config(32, True, s_q=23, num_sms=188, sm12x=True) == choose_config(32, True)
+    assert choose_config(8, True, s_q=46, num_sms=188, sm12x=True) == choose_config(8, True)
+    assert choose_config(8, True, s_q=8, num_sms=48, sm12x=True) == choose_config(8, True)  # GB10: 48 SMs
+    assert choose_config(8, True, s_q=12, num_sms=48, sm12x=True) is GLUON_FP8
     assert choose_config(8, True, s_q=4096, num_sms=132, sm12x=False) == choose_config(8, True)
     assert choose_config(8, False, s_q=4096, num_sms=188, sm12x=True) == choose_config(8, False)
     assert choose_config(8, True, s_q=4096, num_sms=188, sm12x=True) not in CONFIGS.values()
