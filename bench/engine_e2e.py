@@ -94,7 +94,9 @@ def run(args: argparse.Namespace) -> None:
     result = {"backend": args.backend, "kv_cache_dtype": args.kv, "indexer": args.indexer,
               "topk": args.topk if args.indexer == "fallback" else "vllm", "weights": "gguf" if args.gguf else "safetensors",
               "tp": args.tp, "heads": config["num_attention_heads"], "layers": config["num_hidden_layers"],
-              "chunk": args.chunk, "graphs": args.graphs, "engine_start_s": round(time.perf_counter() - start, 1)}
+              "chunk": args.chunk, "graphs": args.graphs, "engine_start_s": round(time.perf_counter() - start, 1),
+              # the sparse-MLA launcher's fp8_ds_mla kernel override (bench/engine_gpu.sh heads8-gluon-fp8)
+              "fp8_kernel": os.environ.get("MLAFLEET_SPARSE_MLA_FP8_KERNEL", "").strip().lower() or "auto"}
 
     greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True, logprobs=2,
                             prompt_logprobs=0, detokenize=False)
@@ -348,6 +350,7 @@ def _label(r: dict) -> str:
             f" indexer, {r['kv_cache_dtype']}, {r['weights']}, TP{r['tp']}, {r['heads']} heads"
             + (f", {r['layers']} layers" if r.get("layers", 2) != 2 else "")
             + (f", prefill chunks of {r['chunk']} tokens" if r.get("chunk") else "")
+            + (f", {r['fp8_kernel'].capitalize()} fp8 kernel forced" if r.get("fp8_kernel", "auto") != "auto" else "")
             + (", compiled + CUDA graphs" if r.get("graphs") else ", eager"))
 
 

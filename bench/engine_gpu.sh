@@ -28,6 +28,8 @@
 #   bench/engine_gpu.sh heads8-graphs-fp8|heads8-graphs-bf16 OUT_DIR   8 heads, compiled + CUDA
 #                                          graphs, one GPU (the issue-16 regime); -fp8-mixed after
 #                                          -fp8: the two mixed pairs in that regime
+#   bench/engine_gpu.sh heads8-gluon-fp8 OUT_DIR   8 heads, fp8_ds_mla, compiled + CUDA graphs, ours with the
+#                                          Triton fp8 kernel and with the Gluon one forced; resumable
 #   bench/engine_gpu.sh control OUT_DIR    vLLM's own path with prefill chunks of 2048 tokens (compare
 #                                          with the single/heads8 references: vLLM's self-difference)
 #   bench/engine_gpu.sh tp2 OUT_DIR        tensor parallel 2 over GPUs 0,1 (32 heads per rank)
@@ -252,6 +254,11 @@ PY
     one ref8graphs-fp8 0 --model "$m8" $ref --graphs --kv fp8_ds_mla
     one ours8graphs-fp8 0 --model "$m8" $ours --graphs --kv fp8_ds_mla
     finish heads8-graphs-fp8 "$2" ref8graphs-fp8 ours8graphs-fp8 ;;
+  heads8-gluon-fp8)  # ours, 8 heads, fp8_ds_mla, compiled + CUDA graphs: the Triton fp8 kernel (the
+    # launcher's choice here) against the Gluon one forced (SM12x's choice, MLAFLEET_SPARSE_MLA_FP8_KERNEL); resumable
+    step ours8graphs-fp8 --model "$m8" $ours --graphs --kv fp8_ds_mla
+    MLAFLEET_SPARSE_MLA_FP8_KERNEL=gluon step ours8gluon-fp8 --model "$m8" $ours --graphs --kv fp8_ds_mla
+    finish heads8-gluon-fp8 "$2" ours8graphs-fp8 ours8gluon-fp8 ;;
   heads8-graphs-bf16)  # the same with the bf16 KV cache
     one ref8graphs-bf16 0 --model "$m8" $ref --graphs
     one ours8graphs-bf16 0 --model "$m8" $ours --graphs

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -623,6 +624,12 @@ CONFIGS: dict[tuple[str, str], KernelConfig] = {
 # eighth pass): 0.77-0.86x the Triton fp8 kernel's time at s_q >= 256, 0.84-0.94x at 64 tokens
 # (split), 1.01x at 8 x 8, 1.32x at 1 x 8; at the H200's own occupancy 1.02-1.32x: SM12x only.
 GLUON_FP8 = KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, gluon=True)
+# MLAFLEET_SPARSE_MLA_FP8_KERNEL in the server's environment overrides that choice for fp8_ds_mla:
+# "triton" never runs the Gluon kernel (the operator's way back, should it misbehave on a GPU),
+# "gluon" runs it for every fp8_ds_mla call whose operands it takes, on any GPU (to test it on
+# hardware that is not SM12x); "auto" or unset: the rule above.
+FP8_KERNEL_ENV = "MLAFLEET_SPARSE_MLA_FP8_KERNEL"
+FP8_KERNELS = ("auto", "triton", "gluon")
 GLUON_MIN_GRID_PER_SM = 0.25  # 64 x 8 on 132 SMs (0.48 an SM): Gluon faster; 8 x 8 (0.06): even
 MAX_SPLITS = 64  # the merge kernel holds all splits of a row in one tile
 MERGE_NUM_WARPS = 4
@@ -769,6 +776,14 @@ def _gluon_unfit(q: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, indi
     return None
 
 
+def _fp8_kernel_choice() -> str:
+    """FP8_KERNEL_ENV's value: auto (also when unset or empty), triton or gluon."""
+    choice = os.environ.get(FP8_KERNEL_ENV, "").strip().lower() or "auto"
+    if choice not in FP8_KERNELS:
+        raise ValueError(f"{FP8_KERNEL_ENV}={os.environ[FP8_KERNEL_ENV]!r} is not one of {', '.join(FP8_KERNELS)}")
+    return choice
+
+
 def _interpreted() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 at import)."""
     return isinstance(_sparse_mla_kernel, InterpretedFunction)
@@ -790,10 +805,16 @@ def _run(q: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, stride_kv_tok:
     topk = indices.shape[2]
     num_sms = (DEFAULT_NUM_SMS if interpreted
                else torch.cuda.get_device_properties(q.device).multi_processor_count)
-    cfg = config or choose_config(h_q, fp8, s_q, num_sms, sm12x=fp8 and kv_scale is None and not interpreted
-                                  and _is_sm12x(_device_index(q.device)))
-    if config is None and cfg.gluon and _gluon_unfit(q, q_rope, kv, indices, cfg) is not None:
-        cfg = choose_config(h_q, fp8)  # operands the Gluon kernel cannot read as they lie: Triton's
+    if config is None and fp8 and kv_scale is None:
+        choice = _fp8_kernel_choice()
+        if choice == "gluon":
+            config = GLUON_FP8
+        else:
+            config = choose_config(h_q, fp8, s_q, num_sms, sm12x=choice == "auto" and not interpreted
+                                   and _is_sm12x(_device_index(q.device)))
+        if config.gluon and _gluon_unfit(q, q_rope, kv, indices, config) is not None:
+            config = choose_config(h_q, fp8)  # operands the Gluon kernel cannot read as they lie: Triton's
+    cfg = config or choose_config(h_q, fp8)
     if cfg.gluon:
         why = ("not an fp8_ds_mla cache" if not fp8 or kv_scale is not None
                else "Triton's CPU interpreter cannot run Gluon kernels" if interpreted

@@ -450,6 +450,26 @@ def test_gluon_kernel_refusals(gen: torch.Generator) -> None:
     assert "16-byte boundaries" in _gluon_unfit(latent, rope, wide, idx, GLUON_FP8)
 
 
+def test_fp8_kernel_override(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    # MLAFLEET_SPARSE_MLA_FP8_KERNEL: triton (and auto) run the Triton kernel; gluon forces the Gluon
+    # one (refused here: the interpreter); any other value is refused by name; bf16 ignores it
+    s_kv = 128
+    idx = random_indices(gen, 2, 64, s_kv)
+    q = torch.randn(2, 8, 576, generator=gen).bfloat16()
+    kv = make_cache(gen, s_kv, idx)
+    cache = make_fp8_cache(kv, idx)
+    for value in ("triton", "auto", " Triton ", ""):
+        monkeypatch.setenv("MLAFLEET_SPARSE_MLA_FP8_KERNEL", value)
+        check(*sparse_mla_fwd_fp8(q, cache, idx, SCALE), *reference_sparse_mla_fp8(q, cache, idx, SCALE))
+    monkeypatch.setenv("MLAFLEET_SPARSE_MLA_FP8_KERNEL", "gluon")
+    with pytest.raises(ValueError, match="interpreter cannot run Gluon"):
+        sparse_mla_fwd_fp8(q, cache, idx, SCALE)
+    check(*sparse_mla_fwd(q, kv, idx, SCALE), *reference_sparse_mla(q, kv, idx, SCALE))
+    monkeypatch.setenv("MLAFLEET_SPARSE_MLA_FP8_KERNEL", "fast")
+    with pytest.raises(ValueError, match=r"MLAFLEET_SPARSE_MLA_FP8_KERNEL='fast' is not one of auto, triton, gluon"):
+        sparse_mla_fwd_fp8(q, cache, idx, SCALE)
+
+
 @pytest.mark.parametrize("h_q, topk, num_splits", [(8, 64, 1), (24, 1000, None), (16, 200, 3)])
 def test_plain_fp8(gen: torch.Generator, h_q: int, topk: int, num_splits: int | None) -> None:
     s_kv = 640
