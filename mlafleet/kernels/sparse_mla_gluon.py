@@ -253,8 +253,7 @@ def sparse_mla_fp8_grouped(
     gl.store(LSE + tok * stride_lse_tok + split * stride_lse_split + hl, lse, mask=hl < h_q)
 
 
-BLOCK_H = 16  # heads a program
-NUM_WARPS = 4  # one per scale group
+NUM_WARPS = 4  # one per scale group (16 heads a program: sparse_mla.GLUON_FP8.block_h)
 
 
 def launch(grid: int, q, q_rope, rows, n_slots: int, indices, out, out_strides, lse, lse_strides,
