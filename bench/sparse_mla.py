@@ -63,7 +63,8 @@ CASES = [(kind, s_q, h_q) for kind in ("bf16", "fp8") for s_q, h_q in SHAPES] + 
 # with mlafleet.kernels.sm120 before a run)
 CANDIDATES: dict[str, list[sm.KernelConfig]] = {
     "bf16": [cfg for (d, _), cfg in sm.CONFIGS.items() if d == "bf16"],
-    # and the Gluon kernel (the launcher's fp8_ds_mla choice on SM12x), on a GPU only
+    # and the Gluon kernel (the launcher's fp8_ds_mla choice on SM12x; --cpu-dry-run drops it: the
+    # interpreter cannot run Gluon kernels)
     "fp8": [cfg for (d, _), cfg in sm.CONFIGS.items() if d == "fp8"] + [sm.GLUON_FP8]}
 # --sweep: split counts for every candidate at these (s_q, h_q)
 SPLIT_SWEEP = {(1, 8): (16, 64), (8, 8): (16, 32), (8, 64): (4, 8), (64, 32): (1, 2), (64, 64): (1, 2)}
@@ -169,13 +170,8 @@ def row_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def all_configs() -> list[tuple[str, sm.KernelConfig]]:
     """Every (cache dtype, config) the checks force: CANDIDATES (the launcher's CONFIGS and any
-    experiment), each once; on the CPU (--cpu-dry-run) not the Gluon kernel, which the interpreter
-    cannot run."""
-    return list(dict.fromkeys((dtype, cfg) for dtype, cfgs in CANDIDATES.items() for cfg in candidates(cfgs)))
-
-
-def candidates(cfgs: list[sm.KernelConfig]) -> list[sm.KernelConfig]:
-    return [cfg for cfg in cfgs if DEV == "cuda" or not cfg.gluon]
+    experiment), each once."""
+    return list(dict.fromkeys((dtype, cfg) for dtype, cfgs in CANDIDATES.items() for cfg in cfgs))
 
 
 def correctness(fm, before, kv: torch.Tensor, cache: torch.Tensor, gen: torch.Generator) -> list[dict]:
@@ -228,7 +224,7 @@ def launches(before) -> list[tuple[str, str, int, int, sm.KernelConfig | None, i
         if before is not None:
             out.append(("before", kind, s_q, h_q, None, None))
     for kind, s_q, h_q in CASES:
-        for cfg in candidates(CANDIDATES[kind]):
+        for cfg in CANDIDATES[kind]:
             out.append(("ours", kind, s_q, h_q, cfg, None))
             for splits in SPLIT_SWEEP.get((s_q, h_q), ()):
                 out.append(("ours", kind, s_q, h_q, cfg, splits))
@@ -296,7 +292,7 @@ def bench_case(fm, before, kind: str, s_q: int, h_q: int, kv: torch.Tensor, cach
         result["ours_vs_flashmla_err"] = row_error(ours(qs[0], idxs[0])[0], theirs(qs[0], idxs[0]))
     if sweep:
         result["sweep_us"] = {}
-        for cfg in candidates(CANDIDATES[kind]):
+        for cfg in CANDIDATES[kind]:
             result["sweep_us"][cfg_name(cfg, kind)] = round(timed(caller(sm, kind, src, cfg, None), 10) * 1e6, 1)
             for splits in SPLIT_SWEEP.get((s_q, h_q), ()):
                 result["sweep_us"][f"{cfg_name(cfg, kind)}/s{splits}"] = round(
@@ -361,6 +357,7 @@ def main() -> None:
         global DEV, S_KV, TOPK, CASES, L2_FLUSH_BYTES, CHECK_HEADS
         DEV, S_KV, TOPK, L2_FLUSH_BYTES, CHECK_HEADS = "cpu", 4096, 128, 1, (8, 32)
         CASES = [(kind, s_q, h_q) for kind in ("bf16", "fp8") for s_q, h_q in ((1, 8), (2, 32))]
+        CANDIDATES["fp8"] = [cfg for cfg in CANDIDATES["fp8"] if not cfg.gluon]
     if args.only:
         CASES = [c for c in CASES if c[0] == args.only]
     before = importlib.import_module(args.before) if args.before else None
