@@ -278,7 +278,8 @@ def bench_case(fm, before, kind: str, s_q: int, h_q: int, kv: torch.Tensor, cach
 
     ours = caller(sm, kind, src, None, None)
     result["ours_s"] = timed(ours)
-    cfg = sm.choose_config(h_q, kind == "fp8")
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else sm.DEFAULT_NUM_SMS
+    cfg = sm.choose_config(h_q, kind == "fp8", s_q, num_sms, topk=TOPK)
     result["ours_config"] = cfg_name(cfg, kind)
     if before is not None:
         result["before_s"] = timed(caller(before, kind, src, None, None))

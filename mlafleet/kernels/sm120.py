@@ -43,6 +43,7 @@ class Sm120Report:
     stack_bytes: int  # the stack frame; non-zero alone is not a spill
     num_warps: int
     num_stages: int
+    grid_dependency_wait: bool = False  # waits for the grid before it (griddepcontrol.wait: PDL launches)
 
     @property
     def spills(self) -> int:
@@ -117,7 +118,8 @@ def compile_for_sm120(fn: Any, signature: dict[str, str], constexprs: dict[str, 
     registers, stack, spill_st, spill_ld = _ptxas_usage(compiled.asm["ptx"], capability)
     return Sm120Report(name=fn.__name__, shared_bytes=int(compiled.metadata.shared),
                        registers=registers, spill_store_bytes=spill_st, spill_load_bytes=spill_ld,
-                       stack_bytes=stack, num_warps=num_warps, num_stages=num_stages)
+                       stack_bytes=stack, num_warps=num_warps, num_stages=num_stages,
+                       grid_dependency_wait="griddepcontrol.wait" in compiled.asm["ptx"])
 
 
 def _is_gluon(fn: Any) -> bool:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.interpreter import InterpretedFunction
 
 D_NOPE = 512  # latent part of a token: the value vector
@@ -245,7 +246,10 @@ def _fp8_rows(kv_cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 # online softmax. With one split it writes the bf16 output and the LSE; with several it
 # writes float32 partial outputs and partial LSEs, and _merge_splits_kernel combines them.
 # The gathers carry no branch around them, so Triton's pipeliner stages them through shared
-# memory with cp.async (num_stages 5: two tiles of keys in flight per program).
+# memory with cp.async (num_stages 5: two tiles of keys in flight per program). Still, with one
+# program an SM (decode) an iteration costs about one index-then-row round trip (2 us on the
+# H200), so decode runs one tile a program where the grid allows ("h16n16-decode").
+# With PDL (SM90+) the split kernel waits for the kernel before it, then lets the merge launch.
 #
 # --------------------------------------------------------------------------------------
 
@@ -365,9 +369,12 @@ def _sparse_mla_kernel(
     DOT_F32: tl.constexpr,  # interpreter: bf16 tl.dot is wrong there, so dot in float32
     TRIM_TAIL: tl.constexpr,  # first find the split's last valid index, stop the key loop there
     LAZY_RESCALE: tl.constexpr = False,  # move the softmax's reference max only when it grows by 2^8
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (SM90+, _pdl)
 ):
     # The 512 latent dims are handled as 4 groups of 128 (the fp8 scale groups): 4 key tiles,
     # 4 query tiles, 4 accumulators. The 64 RoPE dims only enter the logits.
+    if PDL:
+        gdc_wait()  # launched before the kernel ahead of this one (q's and the indices' producer) ended
     pid = tl.program_id(0)
     head_block = pid % n_head_blocks
     rest = pid // n_head_blocks
@@ -510,6 +517,10 @@ def _sparse_mla_kernel(
             acc3 = tl.dot(p, k3, acc3)
         m_i = m_new
 
+    if PDL:
+        # The merge kernel (launched with PDL) may be scheduled from here on; it waits for this whole
+        # grid itself. Not earlier: its waiting programs would sit on the SMs beside the key loop.
+        gdc_launch_dependents()
     has_any = l_i > 0.0
     l_safe = tl.where(has_any, l_i, 1.0)
     m_safe = tl.where(has_any, m_i, 0.0)
@@ -541,15 +552,20 @@ def _merge_splits_kernel(
     LSE, stride_lse_tok, stride_lse_head,
     h_q, n_split,
     BLOCK_SPLIT: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # output dims a program
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch: wait for the split kernel
 ):
     """out = sum_i exp(lse_i - lse) * out_i, lse = log(sum_i exp(lse_i)).
 
-    One program per (token, head, 128 of the 512 output dims), all splits in one tile.
+    One program per (token, head, BLOCK_D of the 512 output dims), all splits in one tile.
     """
+    if PDL:
+        gdc_wait()  # every split's partials written and visible
+    chunks: tl.constexpr = 512 // BLOCK_D
     pid = tl.program_id(0)
-    chunk = pid % 4
-    tok = (pid // (4 * h_q)).to(tl.int64)
-    head = (pid // 4) % h_q
+    chunk = pid % chunks
+    tok = (pid // (chunks * h_q)).to(tl.int64)
+    head = (pid // chunks) % h_q
     splits = tl.arange(0, BLOCK_SPLIT)
     split_ok = splits < n_split
     pl = PART_LSE + tok * stride_pl_tok + head * stride_pl_head
@@ -559,7 +575,7 @@ def _merge_splits_kernel(
     weights = tl.exp(lse_parts - m_ref)  # empty splits (lse -inf) weigh 0
     total = tl.sum(weights, 0)
 
-    d = chunk * 128 + tl.arange(0, 128)
+    d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
     po = (PART_OUT + tok * stride_po_tok + head * stride_po_head
           + splits[:, None].to(tl.int64) * stride_po_split + d[None, :])
     parts = tl.load(po, mask=split_ok[:, None], other=0.0)
@@ -593,6 +609,7 @@ class KernelConfig:
     # fp8_ds_mla only: the Gluon kernel (sparse_mla_gluon.py: one warp per scale group, P.V from the
     # raw bytes, 49 KB of shared memory), not _sparse_mla_kernel; GPU only (not in the interpreter)
     gluon: bool = False
+    min_split_tokens: int = 64  # choose_num_splits: give each split at least this many keys (MIN_SPLIT_TOKENS)
 
 
 # The only configs the launcher can choose, by (cache dtype, name). Every one must fit SM120
@@ -611,6 +628,14 @@ CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("fp8", "h16n32-scaled-keys"): KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=5,
                                                 scale_logits=False),
     ("fp8", "h16n32-scaled-logits"): KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=5),
+    # Decode where one 16-key tile a program fills at most one wave (s_q x head blocks x topk / 16 <= the
+    # SM count: one token, up to 16 heads): every program gathers once, nothing waits on a loop.
+    # Each kernel's key loop pays a full index-then-row round trip an iteration at decode's one program
+    # an SM, so the fewest iterations win. H200 (docs/perf-kernels.md, ninth pass): fp8 1 x 8 7.6 us
+    # against 10.2 at 32 splits of 64 keys; bf16 keeps Triton's pipeliner (4 stages), fp8 none.
+    ("bf16", "h16n16-decode"): KernelConfig(block_h=16, block_n=16, num_warps=4, num_stages=4, min_split_tokens=16),
+    ("fp8", "h16n16-decode"): KernelConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, scale_logits=False,
+                                           min_split_tokens=16),
 }
 # On SM12x every config runs one program per SM (its shared memory), so the kernels may use
 # every register: Triton passes `.maxnreg` (the config's sm12x_maxnreg), without which ptxas 13.1
@@ -631,11 +656,18 @@ GLUON_FP8 = KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, gluo
 FP8_KERNEL_ENV = "MLAFLEET_SPARSE_MLA_FP8_KERNEL"
 FP8_KERNELS = ("auto", "triton", "gluon")
 GLUON_MIN_GRID_PER_SM = 0.25  # 64 x 8 on 132 SMs (0.48 an SM): Gluon faster; 8 x 8 (0.06): even
-MAX_SPLITS = 64  # the merge kernel holds all splits of a row in one tile
-MERGE_NUM_WARPS = 4
+MAX_SPLITS = 128  # the merge kernel holds all splits of a row in one tile
+# Programmatic dependent launch on SM90+ (Hopper, Blackwell): the split kernel may start while the
+# kernel before it finishes and the merge kernel while the split kernel does, each waiting
+# (griddepcontrol.wait) before it reads what the previous one wrote; saves launch gaps at decode.
+PDL_LAUNCH = True
+# The merge kernel: one warp a program, 32 or 64 output dims (_merge_block_d). H200, decode batches:
+# 0.45-0.85x the time of 4 warps x 128 dims (docs/perf-kernels.md, ninth pass).
+MERGE_NUM_WARPS = 1
+MERGE_BLOCK_DS = (32, 64)
 DEFAULT_NUM_SMS = 132  # used where no CUDA device answers (the interpreter)
 PROGRAMS_PER_SM = 2  # split topk until the grid has about this many programs per SM ...
-MIN_SPLIT_TOKENS = 64  # ... but give each split at least this many keys (H200 sweep, docs/perf-kernels.md)
+MIN_SPLIT_TOKENS = 64  # ... but give each split at least this many keys (a config's min_split_tokens)
 # From this many query tokens on (prefill, where the first topk tokens of every prompt have
 # fewer candidates than topk and the rest of their index row is -1) the kernel first finds each
 # row's last valid index and gathers no further (TRIM_TAIL, configs with trim_tail); decode
@@ -645,21 +677,28 @@ TRIM_TAIL_MIN_TOKENS = 64
 
 
 def choose_config(h_q: int, fp8: bool = False, s_q: int = 0, num_sms: int = DEFAULT_NUM_SMS,
-                  sm12x: bool = False) -> KernelConfig:
+                  sm12x: bool = False, topk: int = 0) -> KernelConfig:
     """The config for h_q heads. bf16: 32 keys a step up to 16 heads (one head block: the
     gathers are the limit), 64 keys over 4 warps beyond. fp8_ds_mla: the per-128 scales on
     the keys up to 16 heads, on the logits and probabilities beyond (H200, docs/perf-kernels.md);
     on SM12x (sm12x: an fp8_ds_mla cache on a compute capability 12.x GPU) the Gluon kernel
-    (GLUON_FP8) from s_q tokens x its head blocks >= GLUON_MIN_GRID_PER_SM x num_sms on."""
+    (GLUON_FP8) from s_q tokens x its head blocks >= GLUON_MIN_GRID_PER_SM x num_sms on. Otherwise,
+    where s_q x 16-head blocks x topk / 16 programs of one 16-key tile each fit one wave of num_sms
+    (decode of one token at up to 16 heads), the "h16n16-decode" config of the cache."""
     if fp8 and sm12x and s_q * math.ceil(h_q / GLUON_FP8.block_h) >= GLUON_MIN_GRID_PER_SM * num_sms:
         return GLUON_FP8
+    decode = CONFIGS[("fp8" if fp8 else "bf16", "h16n16-decode")]
+    tiles = math.ceil(topk / decode.block_n)
+    if 0 < s_q * math.ceil(h_q / decode.block_h) * tiles <= num_sms and tiles <= MAX_SPLITS:
+        return decode
     if fp8:
         return CONFIGS[("fp8", "h16n32-scaled-keys" if h_q <= 16 else "h16n32-scaled-logits")]
     return CONFIGS[("bf16", "h16n32" if h_q <= 16 else "h16n64")]
 
 
 def choose_num_splits(s_q: int, n_head_blocks: int, topk: int, block_n: int, num_sms: int,
-                      programs_per_sm: int = PROGRAMS_PER_SM, round_up: bool = True) -> int:
+                      programs_per_sm: int = PROGRAMS_PER_SM, round_up: bool = True,
+                      min_split_tokens: int = MIN_SPLIT_TOKENS) -> int:
     """Split each row's topk across programs when s_q x head blocks cannot fill the GPU:
     about programs_per_sm x num_sms programs, the split count rounded up (or down), then down
     to a power of two (H200: fp8 64 x 8 at 5 splits 108 us, at 4 splits 71 us). A grid that
@@ -669,7 +708,7 @@ def choose_num_splits(s_q: int, n_head_blocks: int, topk: int, block_n: int, num
         return 1
     fill = programs_per_sm * num_sms / programs
     wanted = max(1, math.ceil(fill) if round_up else math.floor(fill))
-    most = min(MAX_SPLITS, max(1, topk // max(MIN_SPLIT_TOKENS, block_n)))
+    most = min(MAX_SPLITS, max(1, topk // max(min_split_tokens, block_n)))
     return 1 << (min(wanted, most).bit_length() - 1)
 
 
@@ -706,7 +745,8 @@ def sm120_compile_specs(configs: list[tuple[str, KernelConfig]] | None = None,
             constexprs = {"stride_q_dim": 1, "stride_qr_dim": 1, "stride_idx_k": 1, "BLOCK_H": cfg.block_h,
                           "BLOCK_N": cfg.block_n, "FP8": fp8, "ROPE_E4M3": rope_e4m3, "PARTIAL": partial,
                           "SCALE_LOGITS": cfg.scale_logits,
-                          "DOT_F32": False, "TRIM_TAIL": trim, "LAZY_RESCALE": cfg.lazy_rescale}
+                          "DOT_F32": False, "TRIM_TAIL": trim, "LAZY_RESCALE": cfg.lazy_rescale,
+                          "PDL": True}  # SM12x launches with PDL (_pdl)
             aligned = ["Q", "Q_ROPE", "KV", "IDX", "OUT", "LSE", "stride_q_tok", "stride_q_head",
                        "stride_qr_tok", "stride_qr_head",
                        "stride_kv_tok", "stride_out_tok", "stride_out_head"]
@@ -718,9 +758,12 @@ def sm120_compile_specs(configs: list[tuple[str, KernelConfig]] | None = None,
                  "stride_pl_split": "i32", "stride_pl_head": "i32", "OUT": "*bf16",
                  "stride_out_tok": "i32", "stride_out_head": "i32", "LSE": "*fp32",
                  "stride_lse_tok": "i32", "stride_lse_head": "i32", "h_q": "i32", "n_split": "i32"}
-    for block_split in (2, 4, 8, 16, 32, 64) if merge else ():  # next_power_of_2(num_splits), num_splits <= 64
+    merges = [(block_split, block_d) for block_split in (2, 4, 8, 16, 32, 64, 128) for block_d in MERGE_BLOCK_DS
+              if block_split <= 64 or block_d == 32]  # _merge_block_d's choices
+    for block_split, block_d in merges if merge else ():  # next_power_of_2(num_splits)
         specs.append({"fn": _merge_splits_kernel, "signature": merge_sig,
-                      "constexprs": {"BLOCK_SPLIT": block_split}, "num_warps": MERGE_NUM_WARPS,
+                      "constexprs": {"BLOCK_SPLIT": block_split, "PDL": True, "BLOCK_D": block_d},
+                      "num_warps": MERGE_NUM_WARPS,
                       "num_stages": 1, "aligned": ["PART_OUT", "OUT", "LSE", "PART_LSE"]})
     return specs
 
@@ -751,6 +794,22 @@ def _is_sm12x(device_index: int) -> bool:
 
 def _device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _merge_block_d(s_q: int, h_q: int, n_split: int, num_sms: int) -> int:
+    """Output dims a merge program: 32 where 64 would leave SMs idle or hold over 64 splits (a warp's
+    registers), else 64."""
+    return 32 if n_split > 64 or s_q * h_q * (D_NOPE // 64) < num_sms else 64
+
+
+@functools.cache
+def _has_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _pdl(device: torch.device) -> bool:
+    """Launch the Triton kernels with programmatic dependent launch on `device` (PDL_LAUNCH, SM90+)."""
+    return PDL_LAUNCH and device.type == "cuda" and _has_pdl(_device_index(device))
 
 
 def _maxnreg(device: torch.device, cfg: KernelConfig) -> int | None:
@@ -811,10 +870,10 @@ def _run(q: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, stride_kv_tok:
             config = GLUON_FP8
         else:
             config = choose_config(h_q, fp8, s_q, num_sms, sm12x=choice == "auto" and not interpreted
-                                   and _is_sm12x(_device_index(q.device)))
+                                   and _is_sm12x(_device_index(q.device)), topk=topk)
         if config.gluon and _gluon_unfit(q, q_rope, kv, indices, config) is not None:
             config = choose_config(h_q, fp8)  # operands the Gluon kernel cannot read as they lie: Triton's
-    cfg = config or choose_config(h_q, fp8)
+    cfg = config or choose_config(h_q, fp8, s_q, num_sms, topk=topk)
     if cfg.gluon:
         why = ("not an fp8_ds_mla cache" if not fp8 or kv_scale is not None
                else "Triton's CPU interpreter cannot run Gluon kernels" if interpreted
@@ -824,7 +883,7 @@ def _run(q: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, stride_kv_tok:
     n_head_blocks = triton.cdiv(h_q, cfg.block_h)
     if num_splits is None:
         num_splits = choose_num_splits(s_q, n_head_blocks, topk, cfg.block_n, num_sms,
-                                       cfg.programs_per_sm, cfg.split_round_up)
+                                       cfg.programs_per_sm, cfg.split_round_up, cfg.min_split_tokens)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"sparse MLA: num_splits must be 1 to {MAX_SPLITS}, got {num_splits}")
     tokens_per_split = triton.cdiv(triton.cdiv(topk, num_splits), cfg.block_n) * cfg.block_n
@@ -847,6 +906,7 @@ def _run(q: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, stride_kv_tok:
 
     grid = (s_q * num_splits * n_head_blocks,)
     trim = cfg.trim_tail and s_q >= TRIM_TAIL_MIN_TOKENS
+    pdl = not interpreted and _pdl(q.device)
     if cfg.gluon:
         from . import sparse_mla_gluon
 
@@ -867,17 +927,19 @@ def _run(q: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, stride_kv_tok:
             kv_scale if kv_scale is not None else lse,  # read only for a plain fp8 cache
             BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, FP8=fp8, ROPE_E4M3=kv_scale is not None, PARTIAL=partial,
             SCALE_LOGITS=cfg.scale_logits,
-            DOT_F32=interpreted, TRIM_TAIL=trim, LAZY_RESCALE=cfg.lazy_rescale,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=_maxnreg(q.device, cfg),
+            DOT_F32=interpreted, TRIM_TAIL=trim, LAZY_RESCALE=cfg.lazy_rescale, PDL=pdl,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=_maxnreg(q.device, cfg), launch_pdl=pdl,
         )
     if partial:
-        _merge_splits_kernel[(s_q * h_q * 4,)](
+        block_d = _merge_block_d(s_q, h_q, num_splits, num_sms)
+        _merge_splits_kernel[(s_q * h_q * (D_NOPE // block_d),)](
             dst_out, dst_out.stride(0), dst_out.stride(1), dst_out.stride(2),
             dst_lse, dst_lse.stride(0), dst_lse.stride(1), dst_lse.stride(2),
             out, out.stride(0), out.stride(1),
             lse, lse.stride(0), lse.stride(1),
             h_q, num_splits,
-            BLOCK_SPLIT=triton.next_power_of_2(num_splits), num_warps=MERGE_NUM_WARPS,
+            BLOCK_SPLIT=triton.next_power_of_2(num_splits), PDL=pdl, BLOCK_D=block_d,
+            num_warps=MERGE_NUM_WARPS, launch_pdl=pdl,
         )
     return out, lse
 

@@ -19,6 +19,7 @@ from mlafleet.kernels.sparse_mla import (
     FP8_TOKEN_BYTES,
     GLUON_FP8,
     _gluon_unfit,
+    _merge_block_d,
     choose_config,
     choose_num_splits,
     dequantize_fp8_ds_mla,
@@ -422,6 +423,24 @@ def test_launcher_choices() -> None:
     assert choose_config(8, True, s_q=4096, num_sms=132, sm12x=False) == choose_config(8, True)
     assert choose_config(8, False, s_q=4096, num_sms=188, sm12x=True) == choose_config(8, False)
     assert choose_config(8, True, s_q=4096, num_sms=188, sm12x=True) not in CONFIGS.values()
+    # decode where one 16-key tile a program fills at most one wave: one token at up to 16 heads,
+    # topk 2048 on 132 SMs (H200) or 188 (RTX PRO 6000), then 128 splits of 16 keys
+    for fp8 in (False, True):
+        decode = CONFIGS[("fp8" if fp8 else "bf16", "h16n16-decode")]
+        assert decode.block_n == 16 and decode.min_split_tokens == 16
+        assert choose_config(8, fp8, s_q=1, num_sms=132, topk=2048) is decode
+        assert choose_config(16, fp8, s_q=1, num_sms=188, sm12x=True, topk=2048) is decode
+        assert choose_config(17, fp8, s_q=1, num_sms=188, topk=2048) == choose_config(17, fp8)  # 256 programs
+        assert choose_config(8, fp8, s_q=2, num_sms=132, topk=2048) == choose_config(8, fp8)
+        assert choose_config(8, fp8, s_q=1, num_sms=48, topk=2048) == choose_config(8, fp8)  # GB10
+        assert choose_config(8, fp8, s_q=1, num_sms=132, topk=4096) == choose_config(8, fp8)
+        assert choose_config(8, fp8, s_q=1, num_sms=132) == choose_config(8, fp8)  # topk unknown
+    assert choose_num_splits(1, 1, 2048, 16, 132, min_split_tokens=16) == 128
+    assert choose_num_splits(1, 1, 2000, 16, 132, min_split_tokens=16) == 64  # 125 tiles: a power of two
+    # the merge: 32 output dims a program where 64 would leave SMs idle or over 64 splits, else 64
+    assert _merge_block_d(1, 8, 128, 132) == 32 and _merge_block_d(1, 16, 32, 132) == 32
+    assert _merge_block_d(8, 8, 32, 132) == 64 and _merge_block_d(1, 64, 32, 132) == 64
+    assert _merge_block_d(1, 64, 128, 132) == 32
 
 
 def test_gluon_kernel_refusals(gen: torch.Generator) -> None:

@@ -61,6 +61,16 @@ def test_every_config_fits_sm120(reports: list[dict]) -> None:
     assert all(r["shared_bytes"] > 0 for r in reports if r["name"] == "_sparse_mla_kernel")
 
 
+def test_triton_kernels_wait_for_the_grid_before(reports: list[dict]) -> None:
+    # on SM12x the launcher launches the split and merge kernels with programmatic dependent launch
+    # (sparse_mla._pdl): each must wait (griddepcontrol.wait) before it reads what the kernel before
+    # it wrote (q and the indices; the partials), or it could read them unwritten
+    triton_kernels = [r for r in reports if r["name"] in ("_sparse_mla_kernel", "_merge_splits_kernel")]
+    assert {r["name"] for r in triton_kernels} == {"_sparse_mla_kernel", "_merge_splits_kernel"}
+    assert all(r["constexprs"]["PDL"] and r["grid_dependency_wait"] for r in triton_kernels)
+    assert not any(r["grid_dependency_wait"] for r in reports if r["name"] == "sparse_mla_fp8_grouped")
+
+
 def test_gluon_kernel_fits_two_programs_an_sm(reports: list[dict]) -> None:
     # the Gluon fp8_ds_mla kernel (SM12x's fp8_ds_mla prefill path): final and partial outputs, each
     # with and without the trimmed key loop; its point is two programs an sm_120 SM, in shared
