@@ -61,13 +61,6 @@ def _empty_kernel(X, PDL: tl.constexpr):
     tl.store(X + tl.program_id(0), 1)
 
 
-class _NoLaunch:
-    """Stands in for the merge kernel: `kernel[grid](...)` launches nothing (split-only timing)."""
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
 def indices(s_q: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randint(0, S_KV, (s_q, 1, TOPK), device="cuda", dtype=torch.int32, generator=gen)
 
@@ -131,14 +124,9 @@ def warm(shard: int, n_shards: int) -> None:
             for pdl in (False, True)]
     merges = [(splits, d, w) for splits in SPLITS for d, w in MERGE_TILES]
     for splits, block_d, warps in merges[shard::n_shards]:
-        part = torch.zeros(1, splits, 8, 512, device="cuda")
-        part_lse = torch.zeros(1, splits, 8, device="cuda")
-        out = torch.empty(1, 8, 512, device="cuda", dtype=torch.bfloat16)
-        lse = torch.empty(1, 8, device="cuda")
-        sm._merge_splits_kernel[(8 * (512 // block_d),)](
-            part, *part.stride()[:3], part_lse, *part_lse.stride(), out, out.stride(0), out.stride(1),
-            lse, lse.stride(0), lse.stride(1), 8, splits, BLOCK_SPLIT=triton.next_power_of_2(splits),
-            BLOCK_D=block_d, num_warps=warps)
+        sm._merge_splits(torch.zeros(1, splits, 8, 512, device="cuda"), torch.zeros(1, splits, 8, device="cuda"),
+                         torch.empty(1, 8, 512, device="cuda", dtype=torch.bfloat16),
+                         torch.empty(1, 8, device="cuda"), block_d, num_warps=warps)
     for kind, cfg, splits, pdl, s_q, h_q in todo[shard::n_shards]:
         sm.PDL_LAUNCH = pdl
         q = torch.randn(s_q, h_q, 576, device="cuda", generator=gen).bfloat16()
@@ -174,7 +162,7 @@ def main() -> int:
         results["floors"][f"empty{' pdl' if pdl else ''}"] = time_graph([one] * 64) * 1e6
         results["floors"][f"empty x2{' pdl' if pdl else ''}"] = time_graph([lambda: (one(), one())] * 64) * 1e6
 
-    merge_kernel = sm._merge_splits_kernel
+    merge = sm._merge_splits
     for kind in ("bf16", "fp8"):
         src = kv if kind == "bf16" else cache
         for s_q, h_q in SHAPES:
@@ -203,11 +191,11 @@ def main() -> int:
                         row["launcher"][tag] = timed(call(kind, src, cfg, splits))
                         if pdl:
                             continue
-                        sm._merge_splits_kernel = _NoLaunch()
+                        sm._merge_splits = lambda *args, **kwargs: None  # the split kernel alone
                         try:
                             row["split_only"][tag] = timed(call(kind, src, cfg, splits))
                         finally:
-                            sm._merge_splits_kernel = merge_kernel
+                            sm._merge_splits = merge
             sm.PDL_LAUNCH = False
             for splits in SPLITS:
                 part = torch.randn(s_q, splits, h_q, 512, device="cuda", generator=gen)
@@ -216,13 +204,9 @@ def main() -> int:
                 lse = torch.empty(s_q, h_q, device="cuda")
                 ours = (sm._merge_block_d(s_q, h_q, splits, num_sms), sm.MERGE_NUM_WARPS)  # the launcher's
                 for block_d, warps in MERGE_TILES if kind == "fp8" else [ours]:
-                    def merge(q, i, part=part, part_lse=part_lse, out=out, lse=lse, block_d=block_d, warps=warps):
-                        merge_kernel[(s_q * h_q * (512 // block_d),)](
-                            part, *part.stride()[:3], part_lse, *part_lse.stride(), out, out.stride(0),
-                            out.stride(1), lse, lse.stride(0), lse.stride(1), h_q, splits,
-                            BLOCK_SPLIT=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=warps)
-                    default = (block_d, warps) == ours
-                    row["merge_only"][f"s{splits}" + ("" if default else f" d{block_d}w{warps}")] = timed(merge)
+                    tile = "" if (block_d, warps) == ours else f" d{block_d}w{warps}"
+                    row["merge_only"][f"s{splits}{tile}"] = timed(
+                        lambda q, i, a=(part, part_lse, out, lse, block_d), w=warps: merge(*a, num_warps=w))
             results["cases"].append(row)
             best = min(row["launcher"].items(), key=lambda kv_: kv_[1])
             print(f"{kind} {s_q}x{h_q}: launcher {row['launcher']['auto']:.1f} (pdl {row['launcher']['auto pdl']:.1f}),"

@@ -662,7 +662,7 @@ MAX_SPLITS = 128  # the merge kernel holds all splits of a row in one tile
 # (griddepcontrol.wait) before it reads what the previous one wrote; saves launch gaps at decode.
 PDL_LAUNCH = True
 # The merge kernel: one warp a program, 32 or 64 output dims (_merge_block_d). H200, decode batches:
-# 0.45-0.85x the time of 4 warps x 128 dims (docs/perf-kernels.md, ninth pass).
+# 0.5-0.85x the time of 4 warps x 128 dims (docs/perf-kernels.md, ninth pass).
 MERGE_NUM_WARPS = 1
 MERGE_BLOCK_DS = (32, 64)
 DEFAULT_NUM_SMS = 132  # used where no CUDA device answers (the interpreter)
@@ -788,8 +788,12 @@ def _gluon_specs(cfg: KernelConfig) -> list[dict]:
 
 
 @functools.cache
+def _capability_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
 def _is_sm12x(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] == 12
+    return _capability_major(device_index) == 12
 
 
 def _device_index(device: torch.device) -> int:
@@ -802,14 +806,24 @@ def _merge_block_d(s_q: int, h_q: int, n_split: int, num_sms: int) -> int:
     return 32 if n_split > 64 or s_q * h_q * (D_NOPE // 64) < num_sms else 64
 
 
-@functools.cache
-def _has_pdl(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
 def _pdl(device: torch.device) -> bool:
     """Launch the Triton kernels with programmatic dependent launch on `device` (PDL_LAUNCH, SM90+)."""
-    return PDL_LAUNCH and device.type == "cuda" and _has_pdl(_device_index(device))
+    return PDL_LAUNCH and device.type == "cuda" and _capability_major(_device_index(device)) >= 9
+
+
+def _merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                  block_d: int, pdl: bool = False, num_warps: int = MERGE_NUM_WARPS) -> None:
+    """Launch _merge_splits_kernel: partials [s_q, n_split, h_q, 512] and [s_q, n_split, h_q] into
+    out [s_q, h_q, 512] and lse [s_q, h_q], block_d output dims a program."""
+    s_q, n_split, h_q = part_lse.shape
+    _merge_splits_kernel[(s_q * h_q * (D_NOPE // block_d),)](
+        part_out, part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse, part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+        out, out.stride(0), out.stride(1),
+        lse, lse.stride(0), lse.stride(1),
+        h_q, n_split,
+        BLOCK_SPLIT=triton.next_power_of_2(n_split), PDL=pdl, BLOCK_D=block_d, num_warps=num_warps, launch_pdl=pdl,
+    )
 
 
 def _maxnreg(device: torch.device, cfg: KernelConfig) -> int | None:
@@ -931,16 +945,7 @@ def _run(q: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, stride_kv_tok:
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=_maxnreg(q.device, cfg), launch_pdl=pdl,
         )
     if partial:
-        block_d = _merge_block_d(s_q, h_q, num_splits, num_sms)
-        _merge_splits_kernel[(s_q * h_q * (D_NOPE // block_d),)](
-            dst_out, dst_out.stride(0), dst_out.stride(1), dst_out.stride(2),
-            dst_lse, dst_lse.stride(0), dst_lse.stride(1), dst_lse.stride(2),
-            out, out.stride(0), out.stride(1),
-            lse, lse.stride(0), lse.stride(1),
-            h_q, num_splits,
-            BLOCK_SPLIT=triton.next_power_of_2(num_splits), PDL=pdl, BLOCK_D=block_d,
-            num_warps=MERGE_NUM_WARPS, launch_pdl=pdl,
-        )
+        _merge_splits(dst_out, dst_lse, out, lse, _merge_block_d(s_q, h_q, num_splits, num_sms), pdl)
     return out, lse
 
 
