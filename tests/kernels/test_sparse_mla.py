@@ -443,6 +443,29 @@ def test_launcher_choices() -> None:
     assert _merge_block_d(1, 64, 128, 132) == 32
 
 
+@pytest.mark.parametrize("n_split", [3, 128])
+def test_merge_block_d_agrees(gen: torch.Generator, n_split: int) -> None:
+    """The merge at the GPU's 32 and 64 output dims a program gives bit for bit what the
+    interpreter's one program a head (512 dims) gives, empty splits (LSE -inf) included."""
+    import mlafleet.kernels.sparse_mla as sm
+
+    part_out = torch.randn(2, n_split, 3, 512, generator=gen)
+    part_lse = torch.randn(2, n_split, 3, generator=gen) * 4
+    part_lse[0, 1::2] = float("-inf")
+    part_lse[1, :, 2] = float("-inf")                    # a head with nothing valid in any split
+    results = []
+    for block_d in (512, 64, 32):
+        out, lse = torch.empty(2, 3, 512, dtype=torch.bfloat16), torch.empty(2, 3)
+        sm._merge_splits(part_out, part_lse, out, lse, block_d)
+        results.append((out, lse))
+    weights = torch.softmax(torch.nan_to_num(part_lse[0, :, 0], neginf=-1e30), 0)
+    torch.testing.assert_close(results[0][0][0, 0].float(), (weights[:, None] * part_out[0, :, 0]).sum(0),
+                               rtol=1e-2, atol=1e-2)
+    assert torch.isposinf(results[0][1][1, 2])
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+
+
 def test_gluon_kernel_refusals(gen: torch.Generator) -> None:
     # forced where it cannot run, the Gluon config says why, before anything is launched
     s_kv = 128
