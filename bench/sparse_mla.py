@@ -62,10 +62,14 @@ CASES = [(kind, s_q, h_q) for kind in ("bf16", "fp8") for s_q, h_q in SHAPES] + 
 # under their names), plus any experiment added here (each must fit SM120: check it offline
 # with mlafleet.kernels.sm120 before a run)
 CANDIDATES: dict[str, list[sm.KernelConfig]] = {
-    "bf16": [cfg for (d, _), cfg in sm.CONFIGS.items() if d == "bf16"],
+    # (bf16: and 32-key tiles at 5 stages, the launcher's choice up to 16 heads until the tenth pass)
+    "bf16": [cfg for (d, _), cfg in sm.CONFIGS.items() if d == "bf16"]
+    + [sm.KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=5)],
     # and the Gluon kernel (the launcher's fp8_ds_mla choice on SM12x; --cpu-dry-run drops it: the
-    # interpreter cannot run Gluon kernels)
-    "fp8": [cfg for (d, _), cfg in sm.CONFIGS.items() if d == "fp8"] + [sm.GLUON_FP8]}
+    # interpreter cannot run Gluon kernels), and the per-128 scales on the logits and probabilities
+    # (the launcher's choice beyond 16 heads until the tenth pass: the studied alternative)
+    "fp8": [cfg for (d, _), cfg in sm.CONFIGS.items() if d == "fp8"]
+    + [sm.GLUON_FP8, sm.KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=5)]}
 # --sweep: split counts for every candidate at these (s_q, h_q)
 SPLIT_SWEEP = {(1, 8): (16, 64), (8, 8): (16, 32), (8, 64): (4, 8), (64, 32): (1, 2), (64, 64): (1, 2)}
 
@@ -73,9 +77,9 @@ SPLIT_SWEEP = {(1, 8): (16, 64), (8, 8): (16, 32), (8, 64): (4, 8), (64, 32): (1
 def cfg_name(cfg: sm.KernelConfig, kind: str = "fp8") -> str:
     """h heads, n keys a step, w warps, s stages; fp8: k = scales on the keys, else on the logits;
     u = the untrimmed key loop (no TRIM_TAIL even for prefill batches); z = the lazy rescale;
-    gluon-: the Gluon fp8_ds_mla kernel (sparse_mla_gluon.py)."""
+    p = the next tile's indices prefetched; gluon-: the Gluon fp8_ds_mla kernel (sparse_mla_gluon.py)."""
     extra = (("" if kind == "bf16" or cfg.scale_logits else "k") + ("" if cfg.trim_tail else "u")
-             + ("z" if cfg.lazy_rescale else ""))
+             + ("z" if cfg.lazy_rescale else "") + ("p" if cfg.prefetch_idx else ""))
     return f"{'gluon-' if cfg.gluon else ''}h{cfg.block_h}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}{extra}"
 
 

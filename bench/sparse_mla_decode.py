@@ -42,13 +42,20 @@ SHAPES = [(1, 8), (1, 16), (8, 8), (8, 16), (1, 64), (8, 64)]
 SPLITS = (16, 32, 64, 128)
 KC = sm.KernelConfig
 CONFIGS = {  # key tiles timed at decode, by cache: the launcher's and neighbours (k: scales on the keys)
-    "bf16": {"h16n32w4s5": sm.CONFIGS[("bf16", "h16n32")], "h16n16w4s4": sm.CONFIGS[("bf16", "h16n16-decode")],
+    "bf16": {"h16n64w4s2zp": sm.CONFIGS[("bf16", "h16n64")], "h16n32w4s5": KC(16, 32, 4, 5), "h16n16w4s4": sm.CONFIGS[("bf16", "h16n16-decode")],
              "h16n16w4s1": KC(16, 16, 4, 1, min_split_tokens=16), "h16n32w4s2": KC(16, 32, 4, 2)},
     "fp8": {"h16n32w4s5k": sm.CONFIGS[("fp8", "h16n32-scaled-keys")],
-            "h16n32w4s5": sm.CONFIGS[("fp8", "h16n32-scaled-logits")],
+            "h16n32w4s3kp": sm.CONFIGS[("fp8", "h16n32-prefetch")],
             "h16n16w4s1k": sm.CONFIGS[("fp8", "h16n16-decode")],
             "h16n16w4s1": KC(16, 16, 4, 1, min_split_tokens=16), "h16n16w4s4k": KC(16, 16, 4, 4, scale_logits=False),
             "h16n16w8s1k": KC(16, 16, 8, 1, scale_logits=False), "h16n32w4s1k": KC(16, 32, 4, 1, scale_logits=False)},
+}
+PREFETCH = {  # --prefetch: the next tile's indices prefetched (p); the gathers then pipeline (stages - 1 buffers)
+    "bf16": {"h16n32w4s3p": KC(16, 32, 4, 3, prefetch_idx=True), "h16n32w4s2p": KC(16, 32, 4, 2, prefetch_idx=True),
+             "h16n16w4s2p": KC(16, 16, 4, 2, min_split_tokens=16, prefetch_idx=True),
+             "h16n16w4s3p": KC(16, 16, 4, 3, min_split_tokens=16, prefetch_idx=True)},
+    "fp8": {f"h16n{n}w4s{s}kp": KC(16, n, 4, s, scale_logits=False, min_split_tokens=16, prefetch_idx=True)
+            for n in (16, 32) for s in (1, 2, 3)},
 }
 MERGE_TILES = [(d, w) for d in (32, 64, 128) for w in (1, 2, 4) if (d, w) != (128, 1)]  # (BLOCK_D, num_warps)
 
@@ -136,13 +143,30 @@ def warm(shard: int, n_shards: int) -> None:
     print(f"warm {shard}/{n_shards}: {len(todo[shard::n_shards])} launches", flush=True)
 
 
+def select(shapes: str | None, prefetch: bool) -> None:
+    """Narrow SHAPES to `shapes` ("8x8,8x16"); add the PREFETCH variants to CONFIGS."""
+    if shapes:
+        wanted = {tuple(map(int, s.split("x"))) for s in shapes.split(",")}
+        unknown = wanted - set(SHAPES)
+        if unknown:
+            raise SystemExit(f"--shapes: {sorted(unknown)} not among {SHAPES}")
+        SHAPES[:] = [s for s in SHAPES if s in wanted]
+    if prefetch:
+        for kind in CONFIGS:
+            CONFIGS[kind].update(PREFETCH[kind])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--flashmla", help="folder holding vllm/third_party/flashmla (bench/device_kernels.sh stage)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--top", type=int, default=6, help="configs printed a shape (all are in the JSON)")
     parser.add_argument("--warm", help="I/N: compile share I of N of the launches on a small cache, then exit")
+    parser.add_argument("--shapes", help="only these s_q x h_q, e.g. 8x8,8x16 (default: all of SHAPES)")
+    parser.add_argument("--prefetch", action="store_true",
+                        help="also time each config with the next tile's indices prefetched (name + p)")
     args = parser.parse_args()
+    select(args.shapes, args.prefetch)
     if args.warm:
         warm(*map(int, args.warm.split("/")))
         return 0

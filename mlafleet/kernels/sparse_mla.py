@@ -246,9 +246,11 @@ def _fp8_rows(kv_cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 # online softmax. With one split it writes the bf16 output and the LSE; with several it
 # writes float32 partial outputs and partial LSEs, and _merge_splits_kernel combines them.
 # The gathers carry no branch around them, so Triton's pipeliner stages them through shared
-# memory with cp.async (num_stages 5: two tiles of keys in flight per program). Still, with one
-# program an SM (decode) an iteration costs about one index-then-row round trip (2 us on the
-# H200), so decode runs one tile a program where the grid allows ("h16n16-decode").
+# memory with cp.async: with each tile's indices loaded in its own iteration, num_stages 5 keeps
+# two tiles of keys in flight; with the next tile's indices prefetched (PREFETCH_IDX) the gathers
+# get num_stages - 1 buffers. Still, with one program an SM (decode) an iteration costs about one
+# index-then-row round trip (2 us on the H200), so decode runs one tile a program where the grid
+# allows ("h16n16-decode").
 # With PDL (SM90+) the split kernel waits for the kernel before it, then lets the merge launch.
 #
 # --------------------------------------------------------------------------------------
@@ -370,6 +372,7 @@ def _sparse_mla_kernel(
     TRIM_TAIL: tl.constexpr,  # first find the split's last valid index, stop the key loop there
     LAZY_RESCALE: tl.constexpr = False,  # move the softmax's reference max only when it grows by 2^8
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (SM90+, _pdl)
+    PREFETCH_IDX: tl.constexpr = False,  # load the next tile's indices while this tile's rows arrive
 ):
     # The 512 latent dims are handled as 4 groups of 128 (the fp8 scale groups): 4 key tiles,
     # 4 query tiles, 4 accumulators. The 64 RoPE dims only enter the logits.
@@ -438,9 +441,19 @@ def _sparse_mla_kernel(
             valid = (idx >= 0) & (idx < n_slots)
             last = tl.maximum(last, tl.max(tl.where(valid, c + tl.arange(0, TRIM_SCAN), -1), axis=0))
         span = last + 1
+    if PREFETCH_IDX:
+        offs = start + tl.arange(0, BLOCK_N)
+        idx_next = tl.load(idx_base + offs * stride_idx_k, mask=offs < end, other=-1)
     for n0 in range(0, span, BLOCK_N):  # the last block may be partly past the split: masked
-        offs = start + n0 + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_base + offs * stride_idx_k, mask=offs < end, other=-1)
+        if PREFETCH_IDX:
+            # this tile's indices came with the previous tile's rows; the next tile's load goes
+            # out before this tile's gather, so an iteration waits for one round trip, not two
+            idx = idx_next
+            offs = start + n0 + BLOCK_N + tl.arange(0, BLOCK_N)
+            idx_next = tl.load(idx_base + offs * stride_idx_k, mask=offs < end, other=-1)
+        else:
+            offs = start + n0 + tl.arange(0, BLOCK_N)
+            idx = tl.load(idx_base + offs * stride_idx_k, mask=offs < end, other=-1)
         valid = (idx >= 0) & (idx < n_slots)
         row = KV + tl.where(valid, idx, 0).to(tl.int64) * stride_kv_tok  # 64-bit: caches pass 2^31 B
         g0, g1, g2, g3, s0, s1, s2, s3, g_rope = _load_keys(row, valid, FP8, ROPE_E4M3)
@@ -610,24 +623,31 @@ class KernelConfig:
     # raw bytes, 49 KB of shared memory), not _sparse_mla_kernel; GPU only (not in the interpreter)
     gluon: bool = False
     min_split_tokens: int = 64  # choose_num_splits: give each split at least this many keys (MIN_SPLIT_TOKENS)
+    prefetch_idx: bool = False  # the key loop loads the next tile's indices before this tile's rows
 
 
 # The only configs the launcher can choose, by (cache dtype, name). Every one must fit SM120
 # (99 KB of shared memory, no register spills) for its dtype: tests/kernels/test_sparse_mla_sm120.py
 # compiles each for sm_120. Chosen from H200 sweeps (docs/perf-kernels.md): 16-head blocks
-# everywhere (32-head blocks of 8 warps ran slower at every shape); num_stages=5 gives Triton's
-# pipeliner two buffers of gathered keys in flight (2-4 stages: one).
+# everywhere (32-head blocks of 8 warps ran slower at every shape). Triton's pipeliner: where each
+# tile's indices are loaded in its own iteration, num_stages=5 gives two buffers of gathered keys in
+# flight (2-4 stages: one); with the next tile's indices prefetched (prefetch_idx) the gathers have
+# num_stages - 1 buffers (sm_120's 99 KB: 32-key tiles at 3 stages, 64-key bf16 tiles at 2).
 CONFIGS: dict[tuple[str, str], KernelConfig] = {
-    ("bf16", "h16n32"): KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=5),
-    # 64 keys a step over 4 warps with the lazy rescale: fewer instructions per key where the
-    # gathers are not the limit (32 heads and more; each warp's q operand then serves 16 keys, not
-    # 8). H200: 0.86-0.91x of the 8-warp 64-key config at 32-128 heads (docs/perf-kernels.md, fifth pass)
-    # (no trimmed loop: with it the 8-warp config ran 4096 x 32 1.50x slower on full rows)
-    ("bf16", "h16n64"): KernelConfig(block_h=16, block_n=64, num_warps=4, num_stages=2, trim_tail=False,
-                                     lazy_rescale=True, sm12x_maxnreg=None),
+    # bf16: 64 keys a step over 4 warps with the lazy rescale and the indices prefetched, at every head
+    # count. H200 (tenth pass): 0.90-0.95x the time of the configs before it (32-key tiles at 5 stages up
+    # to 16 heads, this one untrimmed and without the prefetch beyond) at 8-128 heads and 8-4096 tokens,
+    # trimmed prompt rows included. (ptxas's own register choice on SM12x: with any `.maxnreg` it spills.)
+    ("bf16", "h16n64"): KernelConfig(block_h=16, block_n=64, num_warps=4, num_stages=2, lazy_rescale=True,
+                                     sm12x_maxnreg=None, prefetch_idx=True),
+    # fp8_ds_mla up to 16 heads: the per-128 scales on the keys (the dequantised tile feeds both dots)
     ("fp8", "h16n32-scaled-keys"): KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=5,
                                                 scale_logits=False),
-    ("fp8", "h16n32-scaled-logits"): KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=5),
+    # beyond 16 heads: the same with the indices prefetched and 3 stages (2 buffers of gathered keys),
+    # 0.92-0.96x the time of the scales on the logits at 64-4096 tokens x 32-128 heads (tenth pass;
+    # the scales on the logits remain a studied alternative: bench/sparse_mla.py's CANDIDATES)
+    ("fp8", "h16n32-prefetch"): KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=3,
+                                             scale_logits=False, prefetch_idx=True),
     # Decode where one 16-key tile a program fills at most one wave (s_q x head blocks x topk / 16 <= the
     # SM count: one token, up to 16 heads): every program gathers once, nothing waits on a loop.
     # Each kernel's key loop pays a full index-then-row round trip an iteration at decode's one program
@@ -678,9 +698,9 @@ TRIM_TAIL_MIN_TOKENS = 64
 
 def choose_config(h_q: int, fp8: bool = False, s_q: int = 0, num_sms: int = DEFAULT_NUM_SMS,
                   sm12x: bool = False, topk: int = 0) -> KernelConfig:
-    """The config for h_q heads. bf16: 32 keys a step up to 16 heads (one head block: the
-    gathers are the limit), 64 keys over 4 warps beyond. fp8_ds_mla: the per-128 scales on
-    the keys up to 16 heads, on the logits and probabilities beyond (H200, docs/perf-kernels.md);
+    """The config for h_q heads. bf16: 64 keys a step over 4 warps, the indices prefetched.
+    fp8_ds_mla: the per-128 scales on
+    the keys, 5 stages up to 16 heads, 3 with the indices prefetched beyond (H200, docs/perf-kernels.md);
     on SM12x (sm12x: an fp8_ds_mla cache on a compute capability 12.x GPU) the Gluon kernel
     (GLUON_FP8) from s_q tokens x its head blocks >= GLUON_MIN_GRID_PER_SM x num_sms on. Otherwise,
     where s_q x 16-head blocks x topk / 16 programs of one 16-key tile each fit one wave of num_sms
@@ -692,8 +712,8 @@ def choose_config(h_q: int, fp8: bool = False, s_q: int = 0, num_sms: int = DEFA
     if 0 < s_q * math.ceil(h_q / decode.block_h) * tiles <= num_sms and tiles <= MAX_SPLITS:
         return decode
     if fp8:
-        return CONFIGS[("fp8", "h16n32-scaled-keys" if h_q <= 16 else "h16n32-scaled-logits")]
-    return CONFIGS[("bf16", "h16n32" if h_q <= 16 else "h16n64")]
+        return CONFIGS[("fp8", "h16n32-scaled-keys" if h_q <= 16 else "h16n32-prefetch")]
+    return CONFIGS[("bf16", "h16n64")]
 
 
 def choose_num_splits(s_q: int, n_head_blocks: int, topk: int, block_n: int, num_sms: int,
@@ -746,7 +766,7 @@ def sm120_compile_specs(configs: list[tuple[str, KernelConfig]] | None = None,
                           "BLOCK_N": cfg.block_n, "FP8": fp8, "ROPE_E4M3": rope_e4m3, "PARTIAL": partial,
                           "SCALE_LOGITS": cfg.scale_logits,
                           "DOT_F32": False, "TRIM_TAIL": trim, "LAZY_RESCALE": cfg.lazy_rescale,
-                          "PDL": True}  # SM12x launches with PDL (_pdl)
+                          "PDL": True, "PREFETCH_IDX": cfg.prefetch_idx}  # SM12x launches with PDL (_pdl)
             aligned = ["Q", "Q_ROPE", "KV", "IDX", "OUT", "LSE", "stride_q_tok", "stride_q_head",
                        "stride_qr_tok", "stride_qr_head",
                        "stride_kv_tok", "stride_out_tok", "stride_out_head"]
@@ -942,6 +962,7 @@ def _run(q: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, stride_kv_tok:
             BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, FP8=fp8, ROPE_E4M3=kv_scale is not None, PARTIAL=partial,
             SCALE_LOGITS=cfg.scale_logits,
             DOT_F32=interpreted, TRIM_TAIL=trim, LAZY_RESCALE=cfg.lazy_rescale, PDL=pdl,
+            PREFETCH_IDX=cfg.prefetch_idx,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=_maxnreg(q.device, cfg), launch_pdl=pdl,
         )
     if partial:

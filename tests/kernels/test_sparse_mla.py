@@ -389,13 +389,16 @@ def test_launcher_choices() -> None:
     for h_q in range(1, 257):
         for fp8 in (False, True):
             assert choose_config(h_q, fp8) in CONFIGS.values()
-    # bf16: 32 keys a step up to 16 heads, 64 over 4 warps with the lazy rescale beyond (and
-    # ptxas's own register choice on SM12x); fp8: scales on the keys up to 16 heads, on the logits beyond
-    assert choose_config(16).block_n == 32 and choose_config(17).block_n == 64
+    # bf16: 64 keys a step over 4 warps with the lazy rescale, the indices prefetched, the trimmed loop
+    # for prefill rows, at every head count (and ptxas's own register choice on SM12x); fp8: scales on
+    # the keys, beyond 16 heads with the indices prefetched at 3 stages
+    assert choose_config(8) == choose_config(16) == choose_config(17) == choose_config(128)
     wide = choose_config(64)
-    assert wide.num_warps == 4 and wide.lazy_rescale and wide.sm12x_maxnreg is None
-    assert not choose_config(16).lazy_rescale and choose_config(16).sm12x_maxnreg == 255
-    assert not choose_config(16, fp8=True).scale_logits and choose_config(32, fp8=True).scale_logits
+    assert wide.block_n == 64 and wide.num_warps == 4 and wide.lazy_rescale and wide.sm12x_maxnreg is None
+    assert wide.prefetch_idx and wide.trim_tail
+    assert not choose_config(16, fp8=True).scale_logits and not choose_config(32, fp8=True).scale_logits
+    assert not choose_config(16, fp8=True).prefetch_idx and choose_config(32, fp8=True).prefetch_idx
+    assert choose_config(32, fp8=True).num_stages == 3
     # decode at batch 1 on 132 SMs: split topk 2048 into many programs; prefill: no split
     assert choose_num_splits(1, 1, 2048, 32, 132) == 32  # at least 64 keys per split
     assert choose_num_splits(1, 1, 2048, 64, 132) == 32
