@@ -42,7 +42,8 @@ SHAPES = [(1, 8), (1, 16), (8, 8), (8, 16), (1, 64), (8, 64)]
 SPLITS = (16, 32, 64, 128)
 KC = sm.KernelConfig
 CONFIGS = {  # key tiles timed at decode, by cache: the launcher's and neighbours (k: scales on the keys)
-    "bf16": {"h16n64w4s2zp": sm.CONFIGS[("bf16", "h16n64")], "h16n32w4s5": KC(16, 32, 4, 5), "h16n16w4s4": sm.CONFIGS[("bf16", "h16n16-decode")],
+    "bf16": {"h16n64w4s2zp": sm.CONFIGS[("bf16", "h16n64")], "h16n32w4s5": KC(16, 32, 4, 5),
+             "h16n16w4s4": sm.CONFIGS[("bf16", "h16n16-decode")],
              "h16n16w4s1": KC(16, 16, 4, 1, min_split_tokens=16), "h16n32w4s2": KC(16, 32, 4, 2)},
     "fp8": {"h16n32w4s5k": sm.CONFIGS[("fp8", "h16n32-scaled-keys")],
             "h16n32w4s3kp": sm.CONFIGS[("fp8", "h16n32-prefetch")],

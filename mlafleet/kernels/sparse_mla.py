@@ -699,8 +699,8 @@ TRIM_TAIL_MIN_TOKENS = 64
 def choose_config(h_q: int, fp8: bool = False, s_q: int = 0, num_sms: int = DEFAULT_NUM_SMS,
                   sm12x: bool = False, topk: int = 0) -> KernelConfig:
     """The config for h_q heads. bf16: 64 keys a step over 4 warps, the indices prefetched.
-    fp8_ds_mla: the per-128 scales on
-    the keys, 5 stages up to 16 heads, 3 with the indices prefetched beyond (H200, docs/perf-kernels.md);
+    fp8_ds_mla: the per-128 scales on the keys, 5 stages up to 16 heads, 3 with the indices
+    prefetched beyond (H200, docs/perf-kernels.md);
     on SM12x (sm12x: an fp8_ds_mla cache on a compute capability 12.x GPU) the Gluon kernel
     (GLUON_FP8) from s_q tokens x its head blocks >= GLUON_MIN_GRID_PER_SM x num_sms on. Otherwise,
     where s_q x 16-head blocks x topk / 16 programs of one 16-key tile each fit one wave of num_sms
