@@ -129,6 +129,9 @@ def test_backend_forward_through_vllm_index_conversion(line: Line, tmp_path: Pat
     # cannot read is refused by name
     assert isinstance(report["plain_fp8_max_err"], float) and report["plain_fp8_max_err"] < 2e-2, report
     assert "kv-cache dtype 'fp8_e5m2' is not supported" in report["fp8_e5m2"]
+    if line.version == "0.32.0":  # fp8_ds_mla prefill tokens through the bf16 workspace
+        assert report["fp8_workspace_max_err"] < 2e-2 and report["workspace_holds_context"] is True, report
+        assert report["bf16_workspace_max_err"] < 2e-2, report
     assert rc == 0
 
 

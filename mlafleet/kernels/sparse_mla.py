@@ -785,6 +785,19 @@ def sm120_compile_specs(configs: list[tuple[str, KernelConfig]] | None = None,
                       "constexprs": {"BLOCK_SPLIT": block_split, "PDL": True, "BLOCK_D": block_d},
                       "num_warps": MERGE_NUM_WARPS,
                       "num_stages": 1, "aligned": ["PART_OUT", "OUT", "LSE", "PART_LSE"]})
+    if merge:  # and the fp8_ds_mla prefill workspace's two kernels (attend_prefill_fp8_ds_mla)
+        specs.append({"fn": _fp8_ds_mla_context_kernel,
+                      "signature": {"ROWS": "*u8", "stride_row": "i32", "BLOCK_TABLE": "*i32", "stride_bt": "i32",
+                                    "SEQ_LENS": "*i32", "rows_per_block": "i32", "OUT": "*bf16", "stride_out": "i32",
+                                    "seg_rows": "i32"},
+                      "constexprs": {"BLOCK_R": CONTEXT_BLOCK_R, "PAGE": FP8_BLOCK_SIZE}, "num_warps": 4,
+                      "num_stages": 1,
+                      "aligned": ["ROWS", "stride_row", "BLOCK_TABLE", "SEQ_LENS", "OUT", "stride_out"]})
+        specs.append({"fn": _workspace_rows_kernel,
+                      "signature": {"POS": "*i32", "stride_pos": "i32", "SEG_OF_TOKEN": "*i32", "SEQ_LENS": "*i32",
+                                    "OUT": "*i32", "topk": "i32", "seg_rows": "i32"},
+                      "constexprs": {"BLOCK_K": WS_ROWS_BLOCK_K}, "num_warps": 4, "num_stages": 1,
+                      "aligned": ["POS", "stride_pos", "SEG_OF_TOKEN", "SEQ_LENS", "OUT", "topk"]})
     return specs
 
 
@@ -1085,3 +1098,162 @@ def attend(layout: str, q: Query, rows: torch.Tensor, slots: torch.Tensor, scale
         return sparse_mla_fwd_fp8_e4m3(q, rows.view(torch.uint8).unsqueeze(1), slots, scale, k_scale,
                                        d_v=D_NOPE)[0]
     raise ValueError(f"unknown KV-cache layout {layout!r}")
+
+
+# --------------------------------------------------------------------------------------
+# fp8_ds_mla prefill through a bf16 workspace
+#
+# A prefill chunk reads only its requests' own contexts, and every context row many times (by
+# each of the chunk's tokens and each 16-head block of a token), so the fp8 kernel would
+# dequantise each row thousands of times. Here each prefill request's context is dequantised
+# once into a bf16 workspace (request j's position p at row j * seg_rows + p), the indexer's
+# positions are mapped onto those rows, and the bf16 kernel attends over the workspace: the
+# same values (fp8 x scale rounded to bf16, as the fp8 kernel's tile), at the bf16 kernel's
+# speed (H200: 0.54-0.57x the fp8 kernel's time at 8-128 heads, docs/perf-kernels.md). The
+# backend decides per batch (use_prefill_workspace) and provides the workspace.
+# --------------------------------------------------------------------------------------
+
+CONTEXT_BLOCK_R = 16  # context rows a program dequantises (H200: 2.8-3.2 TB/s from 64k rows on)
+WS_ROWS_BLOCK_K = 256  # positions a program maps onto workspace rows
+PREFILL_WS_MIN_TOKENS = 64  # fewer prefill tokens: the fp8 kernel directly (a few launches saved)
+PREFILL_WS_ROWS_PER_TOKEN = 256  # at most this many context rows dequantised per prefill token
+# in the server's environment: "off" keeps every fp8_ds_mla token on the fp8 kernel (the operator's
+# way back), "auto" (also unset or empty) lets the rule decide
+PREFILL_WS_ENV = "MLAFLEET_SPARSE_MLA_PREFILL_WORKSPACE"
+PREFILL_WS_CHOICES = ("auto", "off")
+
+
+def prefill_segment_rows(max_seq_len: int) -> int:
+    """Workspace rows per prefill request: its longest context rounded up to a cache block."""
+    return -(-max(int(max_seq_len), 1) // FP8_BLOCK_SIZE) * FP8_BLOCK_SIZE
+
+
+def use_prefill_workspace(prefill_tokens: int, num_prefills: int, max_seq_len: int, workspace_rows: int) -> bool:
+    """Whether a batch's prefill tokens take the workspace (host values only, no GPU sync): enough
+    tokens, a workspace that holds every prefill request's context, few enough rows a token, and
+    PREFILL_WS_ENV not "off"."""
+    choice = os.environ.get(PREFILL_WS_ENV, "").strip().lower() or "auto"
+    if choice not in PREFILL_WS_CHOICES:
+        raise ValueError(f"{PREFILL_WS_ENV}={os.environ[PREFILL_WS_ENV]!r} is not one of "
+                         f"{', '.join(PREFILL_WS_CHOICES)}")
+    rows = num_prefills * prefill_segment_rows(max_seq_len)
+    return (choice == "auto" and num_prefills > 0 and prefill_tokens >= PREFILL_WS_MIN_TOKENS and rows <= workspace_rows
+            and rows <= PREFILL_WS_ROWS_PER_TOKEN * prefill_tokens)
+
+
+@triton.jit
+def _fp8_e4m3_bits_to_f32(raw):
+    """float8_e4m3 bytes (uint8, no NaN) as float32, exactly, -0 included (normal values by their
+    bits, subnormals as m x 2^-9, the sign bit set last); instructions any GPU and the interpreter have."""
+    x = raw.to(tl.int32)
+    e = (x >> 3) & 15
+    m = x & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(e > 0, normal, m.to(tl.float32) * 0.001953125)
+    return (mag.to(tl.uint32, bitcast=True) | ((x & 0x80).to(tl.uint32) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _f32_to_bf16_rne(x):
+    """float32 (no NaN) to bfloat16, rounded to nearest even by its bits: the GPU's conversion,
+    which Triton's interpreter (truncating) does not give."""
+    u = x.to(tl.uint32, bitcast=True)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _fp8_ds_mla_context_kernel(ROWS, stride_row, BLOCK_TABLE, stride_bt, SEQ_LENS, rows_per_block,
+                               OUT, stride_out, seg_rows, BLOCK_R: tl.constexpr, PAGE: tl.constexpr):
+    """Program (i, j): positions i * BLOCK_R ... of request j's context, fp8_ds_mla -> bf16 rows."""
+    seg = tl.program_id(1)
+    start = tl.program_id(0) * BLOCK_R
+    seq_len = tl.load(SEQ_LENS + seg)
+    if start < seq_len:
+        pos = start + tl.arange(0, BLOCK_R)
+        ok = pos < seq_len
+        blk = tl.load(BLOCK_TABLE + seg.to(tl.int64) * stride_bt + pos // PAGE, mask=ok, other=0)
+        row = ROWS + (blk.to(tl.int64) * rows_per_block + pos % PAGE) * stride_row
+        grp = tl.arange(0, 4)
+        cols = tl.arange(0, 128)
+        m3 = ok[:, None, None]
+        lat = (grp * 128)[None, :, None] + cols[None, None, :]  # [1, 4, 128]: latent byte offsets
+        raw = tl.load(row[:, None, None] + lat, mask=m3, other=0)
+        scale = tl.load((row + 512).to(tl.pointer_type(tl.float32))[:, None] + grp[None, :], mask=ok[:, None], other=0.0)
+        d_rope = tl.arange(0, 64)
+        m = ok[:, None]
+        rope = tl.load((row + 528).to(tl.pointer_type(tl.bfloat16))[:, None] + d_rope[None, :], mask=m, other=0.0)
+        dst = OUT + (seg.to(tl.int64) * seg_rows + pos)[:, None] * stride_out
+        tl.store(dst[:, :, None] + lat, _f32_to_bf16_rne(_fp8_e4m3_bits_to_f32(raw) * scale[:, :, None]), mask=m3)
+        tl.store(dst + 512 + d_rope[None, :], rope, mask=m)
+
+
+@triton.jit
+def _workspace_rows_kernel(POS, stride_pos, SEG_OF_TOKEN, SEQ_LENS, OUT, topk, seg_rows, BLOCK_K: tl.constexpr):
+    """Program (t, c): a prefill token's positions (-1: none) as workspace rows (-1 past its context)."""
+    tok = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    inside = cols < topk
+    seg = tl.load(SEG_OF_TOKEN + tok)
+    seq_len = tl.load(SEQ_LENS + seg)
+    p = tl.load(POS + tok * stride_pos + cols, mask=inside, other=-1)
+    rows = tl.where((p >= 0) & (p < seq_len), seg * seg_rows + p, -1)
+    tl.store(OUT + tok * topk + cols, rows.to(tl.int32), mask=inside)
+
+
+def dequantize_context_fp8_ds_mla(rows: torch.Tensor, rows_per_block: int, block_table: torch.Tensor,
+                                  seq_lens: torch.Tensor, out: torch.Tensor, seg_rows: int) -> torch.Tensor:
+    """Prefill requests' contexts into a bf16 workspace: request j's positions 0 .. seq_lens[j]-1,
+    read through block_table[j] (cache block b's position o at row b * rows_per_block + o of rows,
+    the cache as uint8 [n, 656]), to out[j * seg_rows + p, :576]. Returns out."""
+    n_req = seq_lens.shape[0]
+    if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] < FP8_TOKEN_BYTES or rows.stride(1) != 1:
+        raise ValueError(f"fp8_ds_mla context: rows must be uint8 [n, {FP8_TOKEN_BYTES}] with contiguous "
+                         f"bytes, got {rows.dtype} {tuple(rows.shape)}")
+    if rows.stride(0) % 4 or rows.data_ptr() % 4:
+        raise ValueError("fp8_ds_mla context: each token must start on a 4-byte boundary")
+    if block_table.dim() != 2 or block_table.shape[0] < n_req or block_table.dtype != torch.int32:
+        raise ValueError(f"fp8_ds_mla context: block_table must be int32 [>= {n_req}, blocks], "
+                         f"got {block_table.dtype} {tuple(block_table.shape)}")
+    if seq_lens.dtype != torch.int32 or seq_lens.dim() != 1:
+        raise ValueError(f"fp8_ds_mla context: seq_lens must be int32 [requests], got {seq_lens.dtype} "
+                         f"{tuple(seq_lens.shape)}")
+    if seg_rows % FP8_BLOCK_SIZE or seg_rows > FP8_BLOCK_SIZE * block_table.shape[1]:
+        raise ValueError(f"fp8_ds_mla context: seg_rows {seg_rows} must be a multiple of {FP8_BLOCK_SIZE} "
+                         f"within the block table's {block_table.shape[1]} blocks")
+    if (out.dtype != torch.bfloat16 or out.dim() != 2 or out.shape[0] < n_req * seg_rows
+            or out.shape[1] < D_QK or out.stride(1) != 1):
+        raise ValueError(f"fp8_ds_mla context: out must be bf16 [>= {n_req * seg_rows}, {D_QK}], "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    if n_req:
+        _fp8_ds_mla_context_kernel[(seg_rows // CONTEXT_BLOCK_R, n_req)](
+            rows, rows.stride(0), block_table, block_table.stride(0), seq_lens, rows_per_block,
+            out, out.stride(0), seg_rows, BLOCK_R=CONTEXT_BLOCK_R, PAGE=FP8_BLOCK_SIZE, num_warps=4, num_stages=1)
+    return out
+
+
+def attend_prefill_fp8_ds_mla(q: Query, rows: torch.Tensor, rows_per_block: int, block_table: torch.Tensor,
+                              seq_lens: torch.Tensor, seg_of_token: torch.Tensor, positions: torch.Tensor,
+                              scale: float, workspace: torch.Tensor, seg_rows: int) -> torch.Tensor:
+    """Prefill tokens over an fp8_ds_mla cache through a bf16 workspace: out [T, H, 512] bf16.
+
+    rows: the cache as uint8 [n, 656] rows (block b's position o at b * rows_per_block + o);
+    block_table [R, blocks] and seq_lens [R] (int32): the prefill requests'; seg_of_token [T]
+    (int32): each token's request among them; positions [T, k]: the indexer's context positions
+    (-1: none); workspace: bf16 [>= R * seg_rows, 576], seg_rows from prefill_segment_rows.
+    """
+    tokens, topk = positions.shape[0], positions.shape[-1]
+    pos = positions.reshape(tokens, topk)
+    if pos.dtype != torch.int32 or pos.stride(1) != 1:
+        raise ValueError(f"prefill workspace: positions must be int32 [T, k] with contiguous rows, got "
+                         f"{pos.dtype} {tuple(positions.shape)}")
+    if seg_of_token.shape != (tokens,) or seg_of_token.dtype != torch.int32:
+        raise ValueError(f"prefill workspace: seg_of_token must be int32 [{tokens}], got "
+                         f"{seg_of_token.dtype} {tuple(seg_of_token.shape)}")
+    ws = dequantize_context_fp8_ds_mla(rows, rows_per_block, block_table, seq_lens, workspace, seg_rows)
+    ws_rows = torch.empty((tokens, 1, topk), dtype=torch.int32, device=pos.device)
+    if tokens:
+        _workspace_rows_kernel[(tokens, triton.cdiv(topk, WS_ROWS_BLOCK_K))](
+            pos, pos.stride(0), seg_of_token, seq_lens, ws_rows, topk, seg_rows, BLOCK_K=WS_ROWS_BLOCK_K,
+            num_warps=4, num_stages=1)
+    n_rows = seq_lens.shape[0] * seg_rows
+    return sparse_mla_fwd(q, ws[:n_rows, :D_QK].unsqueeze(1), ws_rows, scale, d_v=D_NOPE)[0]

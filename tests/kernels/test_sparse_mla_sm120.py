@@ -50,6 +50,9 @@ def test_every_config_is_compiled(reports: list[dict]) -> None:
              r["constexprs"]["PARTIAL"], r["constexprs"]["TRIM_TAIL"]) for r in main}
     assert seen == want
     assert any(k[-1] for k in seen) and not all(k[-1] for k in seen)
+    # and the fp8_ds_mla prefill workspace's kernels, once each
+    names = [r["name"] for r in reports]
+    assert names.count("_fp8_ds_mla_context_kernel") == 1 and names.count("_workspace_rows_kernel") == 1
 
 
 def test_every_config_fits_sm120(reports: list[dict]) -> None:

