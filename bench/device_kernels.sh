@@ -3,7 +3,8 @@
 #
 # stage (here): copy into <checkout>/.dev/<folder> (git-ignored), for the device tool, which sends
 #   the lead's checkout and the paths named in `carry`: our kernel modules, the benchmarks (sparse MLA,
-#   its trimmed-loop, host-time and decode tables sparse_mla_tail.py, sparse_mla_host.py and
+#   its trimmed-loop, host-time, decode and prefill-workspace tables sparse_mla_tail.py,
+#   sparse_mla_host.py, sparse_mla_prefill.py and
 #   sparse_mla_decode.py, the Gluon probe
 #   gluon_fp8_probe.py, the indexer), this
 #   script, optionally the sparse-MLA kernels of an earlier git revision (as
@@ -34,7 +35,8 @@ if [[ "$mode" == stage ]]; then
     fi
     cp "$here/bench/sparse_mla.py" "$dest/bench_sparse_mla.py"
     cp "$here/bench/indexer.py" "$dest/bench_indexer.py"
-    cp "$here/bench/sparse_mla_tail.py" "$here/bench/sparse_mla_host.py" "$here/bench/sparse_mla_decode.py" "$here/bench/gluon_fp8_probe.py" "$dest/"
+    cp "$here/bench/sparse_mla_tail.py" "$here/bench/sparse_mla_host.py" "$here/bench/sparse_mla_decode.py" \
+        "$here/bench/sparse_mla_prefill.py" "$here/bench/gluon_fp8_probe.py" "$dest/"
     cp "$here/bench/cuda_timing.py" "$dest/"
     cp "$here/bench/device_kernels.sh" "$dest/"
     unzip -q -o -j "$wheel" vllm/_flashmla_C.abi3.so -d "$dest/vllm"

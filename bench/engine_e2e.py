@@ -96,7 +96,10 @@ def run(args: argparse.Namespace) -> None:
               "tp": args.tp, "heads": config["num_attention_heads"], "layers": config["num_hidden_layers"],
               "chunk": args.chunk, "graphs": args.graphs, "engine_start_s": round(time.perf_counter() - start, 1),
               # the sparse-MLA launcher's fp8_ds_mla kernel override (bench/engine_gpu.sh heads8-gluon-fp8)
-              "fp8_kernel": os.environ.get("MLAFLEET_SPARSE_MLA_FP8_KERNEL", "").strip().lower() or "auto"}
+              "fp8_kernel": os.environ.get("MLAFLEET_SPARSE_MLA_FP8_KERNEL", "").strip().lower() or "auto",
+              # the 0.32.0 backend's fp8_ds_mla prefill workspace switch (bench/engine_gpu.sh prefill-ws)
+              "prefill_workspace": (os.environ.get("MLAFLEET_SPARSE_MLA_PREFILL_WORKSPACE", "").strip().lower()
+                                    or "auto")}
 
     greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True, logprobs=2,
                             prompt_logprobs=0, detokenize=False)
@@ -351,6 +354,7 @@ def _label(r: dict) -> str:
             + (f", {r['layers']} layers" if r.get("layers", 2) != 2 else "")
             + (f", prefill chunks of {r['chunk']} tokens" if r.get("chunk") else "")
             + (f", {r['fp8_kernel'].capitalize()} fp8 kernel forced" if r.get("fp8_kernel", "auto") != "auto" else "")
+            + (", prefill workspace off" if r.get("prefill_workspace", "auto") == "off" else "")
             + (", compiled + CUDA graphs" if r.get("graphs") else ", eager"))
 
 
@@ -388,14 +392,18 @@ def compare(paths: list[str]) -> None:
           "ref top-2 margin there | prompt logprob max / mean abs diff | generated logprob max abs diff |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     # references: vLLM's own path at the default prefill chunking; a reference run with other
-    # chunking (--chunk) is compared with it too: the size of differences vLLM has with itself
+    # chunking (--chunk) is compared with it too: the size of differences vLLM has with itself.
+    # A run with the prefill workspace off is the reference of the same configuration with it on.
     refs = [r for r in runs if r["backend"] in ("FLASHMLA_SPARSE", "auto") and r["indexer"] == "deepgemm"
-            and not r.get("chunk")]
+            and not r.get("chunk")] + [r for r in runs if r.get("prefill_workspace") == "off"]
     for run in runs:
         for ref in refs:
             same = all(run.get(k, d) == ref.get(k, d) for k, d in (("kv_cache_dtype", None), ("weights", None),
                                                                     ("tp", None), ("heads", None),
                                                                     ("graphs", None), ("layers", 2)))
+            if ref.get("prefill_workspace") == "off":  # only against the same backend and indexer with it on
+                same = same and run.get("prefill_workspace", "auto") == "auto" and all(
+                    run[k] == ref[k] for k in ("backend", "indexer"))
             if run is ref or not same:
                 continue
             for row in _pair(ref, run):

@@ -30,6 +30,8 @@
 #                                          -fp8: the two mixed pairs in that regime
 #   bench/engine_gpu.sh heads8-gluon-fp8 OUT_DIR   8 heads, fp8_ds_mla, compiled + CUDA graphs, ours with the
 #                                          Triton fp8 kernel and with the Gluon one forced; resumable
+#   bench/engine_gpu.sh prefill-ws OUT_DIR 0.32.0: ours, fp8_ds_mla, compiled + CUDA graphs, 8 and 64 heads, the
+#                                          prefill workspace on (the rule) and off; resumable
 #   bench/engine_gpu.sh control OUT_DIR    vLLM's own path with prefill chunks of 2048 tokens (compare
 #                                          with the single/heads8 references: vLLM's self-difference)
 #   bench/engine_gpu.sh tp2 OUT_DIR        tensor parallel 2 over GPUs 0,1 (32 heads per rank)
@@ -115,7 +117,7 @@ one() {
   local rc=$?
   [ "$log" = "$results/$name.log" ] || cp "$log" "$results/"
   echo "== $name (GPU $gpus): rc $rc, $((SECONDS - t0)) s"
-  grep -E "Using AttentionBackendEnum|DSA indexer|DeepGEMM E8M0|fp8_ds_mla KV cache format" "$log" | sort -u | head -4 | cut -c1-220
+  grep -E "Using AttentionBackendEnum|DSA indexer|DeepGEMM E8M0|fp8_ds_mla KV cache format|prefill workspace" "$log" | sort -u | head -5 | cut -c1-220
   if [ $rc -eq 0 ]; then tail -1 "$log" | cut -c1-600; else grep -E "Error|error" "$log" | tail -6 | cut -c1-400; fi
   return $rc
 }
@@ -259,6 +261,15 @@ PY
     step ours8graphs-fp8 --model "$m8" $ours --graphs --kv fp8_ds_mla
     MLAFLEET_SPARSE_MLA_FP8_KERNEL=gluon step ours8gluon-fp8 --model "$m8" $ours --graphs --kv fp8_ds_mla
     finish heads8-gluon-fp8 "$2" ours8graphs-fp8 ours8gluon-fp8 ;;
+  prefill-ws)  # ours (0.32.0), fp8_ds_mla, compiled + CUDA graphs, on the 8-head and the 64-head model: prefill
+    # tokens through the bf16 workspace (the backend's rule) against every token on the fp8 kernel
+    # (MLAFLEET_SPARSE_MLA_PREFILL_WORKSPACE=off); resumable
+    export RUN_TIMEOUT=400
+    step ours8ws-fp8 --model "$m8" $ours --graphs --kv fp8_ds_mla
+    MLAFLEET_SPARSE_MLA_PREFILL_WORKSPACE=off step ours8nows-fp8 --model "$m8" $ours --graphs --kv fp8_ds_mla
+    step oursws-fp8 --model "$m" $ours --graphs --kv fp8_ds_mla
+    MLAFLEET_SPARSE_MLA_PREFILL_WORKSPACE=off step oursnows-fp8 --model "$m" $ours --graphs --kv fp8_ds_mla
+    finish prefill-ws "$2" ours8nows-fp8 ours8ws-fp8 oursnows-fp8 oursws-fp8 ;;
   heads8-graphs-bf16)  # the same with the bf16 KV cache
     one ref8graphs-bf16 0 --model "$m8" $ref --graphs
     one ours8graphs-bf16 0 --model "$m8" $ours --graphs
@@ -330,5 +341,5 @@ PY
       one "${spec%%:*}" 0,1 --model $m --tp 2 ${spec#*:}
     done
     finish tp2 "$2" reftp2-bf16 reftp2-fp8 ourstp2-bf16 ourstp2-fp8 ;;
-  *) echo "usage: $0 setup PARTS_DIR [--no-models] | line|serve|single|heads8|heads8-profile|heads8-round|heads8-prefill|heads8-deep|heads8-host|heads8-graphs-fp8|heads8-graphs-bf16|heads8-graphs-fp8-mixed|control|graphs|graphs-fp8|fp8-alias|tp2|tp2-graphs OUT_DIR | vllm-tests OUT_DIR [FIRST] [SHARDS]" >&2; exit 2 ;;
+  *) echo "usage: $0 setup PARTS_DIR [--no-models] | line|serve|single|heads8|heads8-profile|heads8-round|heads8-prefill|heads8-deep|heads8-host|heads8-graphs-fp8|heads8-graphs-bf16|heads8-graphs-fp8-mixed|prefill-ws|control|graphs|graphs-fp8|fp8-alias|tp2|tp2-graphs OUT_DIR | vllm-tests OUT_DIR [FIRST] [SHARDS]" >&2; exit 2 ;;
 esac

@@ -82,6 +82,21 @@ def test_compare_pairs_runs_with_their_own_reference_only(e2e, tmp_path, capsys)
     assert out.count("| 300000 |") == 5  # one throughput row per run
 
 
+def test_prefill_workspace_off_is_the_reference_of_on(e2e, tmp_path, capsys):
+    off = dict(_run("TRITON_MLA_SPARSE", "fallback", kv="fp8_ds_mla"), prefill_workspace="off")
+    on = dict(_run("TRITON_MLA_SPARSE", "fallback", kv="fp8_ds_mla"), prefill_workspace="auto")
+    on["requests"][0]["tokens"][3] = 7
+    other = _run("TRITON_MLA_SPARSE", "fallback", kv="fp8_ds_mla")  # no switch recorded: an older run
+    other["heads"] = 8
+    e2e.compare(_written(tmp_path, {"off": off, "on": on, "other": other}))
+    out = capsys.readouterr().out
+    pairs = [line for line in out.splitlines()  # the comparison table's rows (8 columns) with the "off" reference
+             if line.count("|") == 9 and "prefill workspace off" in line.split("|")[1]]
+    assert len(pairs) == 2  # on against off, both prompts; not off against itself, nor the 8-head run
+    assert all("prefill workspace off" not in p.split("|")[2] for p in pairs)
+    assert "| 3000 | 7/8 | 3 |" in out
+
+
 def test_compare_pairs_runs_of_one_model_depth_only(e2e, tmp_path, capsys):
     # heads8-deep: the same 8 heads over 16 layers and over the usual 2 (older runs name no depth:
     # 2); a 16-layer run is compared with the 16-layer reference only, and its label says so
