@@ -263,12 +263,13 @@ PY
     finish heads8-gluon-fp8 "$2" ours8graphs-fp8 ours8gluon-fp8 ;;
   prefill-ws)  # ours (0.32.0), fp8_ds_mla, compiled + CUDA graphs, on the 8-head and the 64-head model: prefill
     # tokens through the bf16 workspace (the backend's rule) against every token on the fp8 kernel
-    # (MLAFLEET_SPARSE_MLA_PREFILL_WORKSPACE=off); resumable
+    # (MLAFLEET_SPARSE_MLA_PREFILL_WORKSPACE=off); REPEATS=N: N timed runs each; resumable
     export RUN_TIMEOUT=400
-    step ours8ws-fp8 --model "$m8" $ours --graphs --kv fp8_ds_mla
-    MLAFLEET_SPARSE_MLA_PREFILL_WORKSPACE=off step ours8nows-fp8 --model "$m8" $ours --graphs --kv fp8_ds_mla
-    step oursws-fp8 --model "$m" $ours --graphs --kv fp8_ds_mla
-    MLAFLEET_SPARSE_MLA_PREFILL_WORKSPACE=off step oursnows-fp8 --model "$m" $ours --graphs --kv fp8_ds_mla
+    reps=${REPEATS:+--repeats $REPEATS}
+    step ours8ws-fp8 --model "$m8" $ours --graphs --kv fp8_ds_mla $reps
+    MLAFLEET_SPARSE_MLA_PREFILL_WORKSPACE=off step ours8nows-fp8 --model "$m8" $ours --graphs --kv fp8_ds_mla $reps
+    step oursws-fp8 --model "$m" $ours --graphs --kv fp8_ds_mla $reps
+    MLAFLEET_SPARSE_MLA_PREFILL_WORKSPACE=off step oursnows-fp8 --model "$m" $ours --graphs --kv fp8_ds_mla $reps
     finish prefill-ws "$2" ours8nows-fp8 ours8ws-fp8 oursnows-fp8 oursws-fp8 ;;
   heads8-graphs-bf16)  # the same with the bf16 KV cache
     one ref8graphs-bf16 0 --model "$m8" $ref --graphs
