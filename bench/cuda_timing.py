@@ -1,4 +1,5 @@
-"""CUDA-graph timing shared by the kernel benchmarks (bench/sparse_mla.py, bench/indexer.py)."""
+"""CUDA-graph timing shared by the kernel benchmarks (bench/sparse_mla.py, bench/indexer.py), and
+the sparse-MLA benchmarks' output comparison."""
 
 from __future__ import annotations
 
@@ -34,3 +35,13 @@ def time_graph(calls: list[Callable[[], object]], replays: int = 20) -> float:
         times.append(a.elapsed_time(b) / 1e3 / len(calls))
     del graph
     return statistics.median(times)
+
+
+def row_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest per-(token, head) relative error over rows with a non-zero reference."""
+    out, ref = out.float(), ref.float()
+    norms = ref.norm(dim=-1)
+    keep = norms > 0
+    if out.isnan().any():
+        return float("nan")
+    return float(((out - ref).norm(dim=-1)[keep] / norms[keep]).max()) if keep.any() else 0.0

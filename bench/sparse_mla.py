@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import torch
-from cuda_timing import time_graph
+from cuda_timing import row_error, time_graph
 
 from mlafleet.kernels import sparse_mla as sm
 
@@ -160,16 +160,6 @@ class FlashMlaFp8:
             cache_seqlens=self.cache_lens, tile_scheduler_metadata=self.meta, is_fp8_kvcache=True,
             indices=idx, softmax_scale=SCALE)  # idx [b, 1, topk]: seq_len_q 1
         return out[:, 0, :self.h_q]
-
-
-def row_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """Largest per-(token, head) relative error over rows with a non-zero reference."""
-    out, ref = out.float(), ref.float()
-    norms = ref.norm(dim=-1)
-    keep = norms > 0
-    if out.isnan().any():
-        return float("nan")
-    return float(((out - ref).norm(dim=-1)[keep] / norms[keep]).max()) if keep.any() else 0.0
 
 
 def all_configs() -> list[tuple[str, sm.KernelConfig]]:

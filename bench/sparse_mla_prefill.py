@@ -38,7 +38,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cuda_timing import time_graph  # noqa: E402
+from cuda_timing import row_error, time_graph  # noqa: E402
 
 from mlafleet.kernels import sparse_mla as sm  # noqa: E402
 
@@ -60,11 +60,6 @@ def prompt_positions(ctx: int, s_q: int, gen: torch.Generator) -> torch.Tensor:
     rows = torch.where((pos[:, None] + 1) > TOPK, drawn, cols[None, :])
     rows = torch.where(cols[None, :] <= pos[:, None], rows, -1)
     return rows.to(torch.int32).view(s_q, 1, TOPK)
-
-
-def row_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float(((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-6)).max())
 
 
 def main() -> None:
