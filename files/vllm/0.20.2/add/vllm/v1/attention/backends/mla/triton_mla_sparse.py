@@ -12,17 +12,25 @@ sparse-MLA metadata and builder (flashmla_sparse.py) and its index conversion
 - vLLM's `triton_convert_req_index_to_global_index` turns them into global slot ids
   (block * 64 + offset, -1 where invalid) through the block table;
 - mlafleet's kernels attend over those slots for every query token, prefill and decode alike
-  (no head padding, no FlashMLA scheduler metadata, no prefill workspace), reading the cache in
-  the layout of its kv_cache_dtype: bf16, fp8_ds_mla, or (an impl handed "fp8" itself) vLLM's
-  plain fp8 MLA cache. The layouts and that choice are
-  `vllm.third_party.mlafleet_kernels.sparse_mla`, shared with the other vLLM lines' backends.
+  (no head padding, no FlashMLA scheduler metadata), reading the cache in the layout of its
+  kv_cache_dtype: bf16, fp8_ds_mla, or (an impl handed "fp8" itself) vLLM's plain fp8 MLA
+  cache. The layouts and that choice are `vllm.third_party.mlafleet_kernels.sparse_mla`,
+  shared with the other vLLM lines' backends;
+- fp8_ds_mla prefill: where a batch has enough prefill tokens for its prefill requests' contexts
+  (sparse_mla.use_prefill_workspace), those contexts are dequantised once into a bf16 workspace
+  (PREFILL_WORKSPACE_MAX_ROWS rows at most, taken from vLLM's shared workspace manager, which
+  vLLM's own FlashMLA fp8 backend reserves more of) and the prefill tokens attend over it with
+  the bf16 kernel; decode tokens (first, as vLLM reorders the batch) read the fp8 cache.
 """
 
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from vllm.config import get_current_vllm_config_or_none
 from vllm.config.cache import CacheDType
+from vllm.logger import init_logger
 from vllm.platforms.interface import DeviceCapability
 from vllm.third_party.mlafleet_kernels import sparse_mla
 from vllm.v1.attention.backend import (
@@ -34,17 +42,24 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.mla.flashmla_sparse import (
     FlashMLASparseMetadata,
     FlashMLASparseMetadataBuilder,
+    get_prefill_workspace_size,
 )
 from vllm.v1.attention.backends.mla.sparse_utils import (
     triton_convert_req_index_to_global_index,
 )
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+from vllm.v1.worker.workspace import current_workspace_manager, is_workspace_manager_initialized
 
 if TYPE_CHECKING:
     from vllm.model_executor.models.deepseek_v2 import Indexer
 
+logger = init_logger(__name__)
+
+NAME = "TRITON_MLA_SPARSE"
 BLOCK_SIZE = 64  # tokens per KV-cache block (fp8_ds_mla's layout fixes it)
 HEAD_SIZE = 576  # 512 latent (kv_lora_rank) + 64 RoPE
 LATENT = 512  # the value part of a cached token
+PREFILL_WORKSPACE_MAX_ROWS = 64 * 1024  # bf16 rows (75.5 MB), as vLLM 0.32.0's sparse builder caps its own
 
 # the kv-cache dtypes vLLM 0.20.2 has that the kernels read (their layouts: sparse_mla.LAYOUTS)
 KV_CACHE_DTYPES: list[str] = ["auto", "bfloat16", "fp8_ds_mla", "fp8"]
@@ -56,7 +71,7 @@ class TritonMLASparseBackend(AttentionBackend):
 
     @staticmethod
     def get_name() -> str:
-        return "TRITON_MLA_SPARSE"
+        return NAME
 
     @staticmethod
     def get_builder_cls() -> type["TritonMLASparseMetadataBuilder"]:
@@ -98,17 +113,66 @@ class TritonMLASparseBackend(AttentionBackend):
         return (num_blocks, block_size, sparse_mla.ROW_WIDTH[layout])
 
 
+def prefill_workspace_rows(vllm_config) -> int:
+    """Rows of the fp8_ds_mla prefill workspace: vLLM's own fp8 prefill size for the model's
+    length, capped at PREFILL_WORKSPACE_MAX_ROWS."""
+    return min(get_prefill_workspace_size(vllm_config.model_config.max_model_len), PREFILL_WORKSPACE_MAX_ROWS)
+
+
+def prefill_workspace(rows: int) -> torch.Tensor:
+    """The workspace as bf16 [rows, 576], a view of vLLM's shared workspace (grown to it if needed)."""
+    (workspace,) = current_workspace_manager().get_simultaneous(((rows, HEAD_SIZE), torch.bfloat16))
+    return workspace
+
+
+@dataclass
+class TritonMLASparseMetadata(FlashMLASparseMetadata):
+    """vLLM's sparse-MLA metadata and, for a batch whose prefill tokens take the bf16 workspace,
+    its decode/prefill split (decode requests first), the sequence lengths and the workspace
+    (prefill_seg_rows rows a prefill request). prefill_workspace None: every token reads the cache."""
+
+    num_decodes: int = 0
+    num_decode_tokens: int = 0
+    num_prefills: int = 0
+    seq_lens: torch.Tensor | None = None
+    prefill_workspace: torch.Tensor | None = None
+    prefill_seg_rows: int = 0
+
+
 class TritonMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
     """vLLM's sparse-MLA builder, without the FlashMLA-only fp8 scheduling metadata.
 
-    Our fp8 kernel reads global slot ids straight from the fp8_ds_mla cache for prefill and
-    decode alike, so the builder's common fields (block table, request id per token, slot
-    mapping, top-k) are all it needs.
+    Our fp8 kernel reads global slot ids straight from the fp8_ds_mla cache, so the builder's
+    common fields (block table, request id per token, slot mapping, top-k) are all a batch needs,
+    except an fp8_ds_mla batch whose prefill tokens take the workspace (host values only).
     """
+
+    metadata_cls = TritonMLASparseMetadata
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.fp8_ds_mla = self.use_fp8_kv_cache
         self.use_fp8_kv_cache = False  # skips FlashMLA's get_mla_metadata in build()
+        self.prefill_workspace_rows = prefill_workspace_rows(self.vllm_config)
+
+    def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False) -> FlashMLASparseMetadata:
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if not self.fp8_ds_mla:
+            return metadata
+        cm = common_attn_metadata
+        num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = split_decodes_and_prefills(
+            cm, decode_threshold=self.reorder_batch_threshold or 1)
+        if not num_prefills:
+            return metadata
+        longest = int(cm.seq_lens_cpu_upper_bound[num_decodes:num_decodes + num_prefills].max())
+        if not sparse_mla.use_prefill_workspace(num_prefill_tokens, num_prefills, longest,
+                                                self.prefill_workspace_rows):
+            return metadata
+        return TritonMLASparseMetadata(
+            **{f.name: getattr(metadata, f.name) for f in fields(metadata)},
+            num_decodes=num_decodes, num_decode_tokens=num_decode_tokens, num_prefills=num_prefills,
+            seq_lens=cm.seq_lens, prefill_workspace=prefill_workspace(self.prefill_workspace_rows),
+            prefill_seg_rows=sparse_mla.prefill_segment_rows(longest))
 
 
 class TritonMLASparseImpl(SparseMLAAttentionImpl[FlashMLASparseMetadata]):
@@ -142,11 +206,15 @@ class TritonMLASparseImpl(SparseMLAAttentionImpl[FlashMLASparseMetadata]):
         self.scale = float(scale)
         self.kv_lora_rank = LATENT
         self.topk_indices_buffer: torch.Tensor | None = indexer.topk_indices_buffer
+        vllm_config = get_current_vllm_config_or_none()
+        if self.layout == sparse_mla.FP8_DS_MLA_ROWS and vllm_config and is_workspace_manager_initialized():
+            # reserved now, while vLLM measures memory; batches take views of it (the builder)
+            prefill_workspace(prefill_workspace_rows(vllm_config))
 
     def _cache_slots(self, topk: torch.Tensor, metadata: FlashMLASparseMetadata) -> torch.Tensor:
         """Each token's top-k positions (per request, -1 for none) as cache slots, [T, 1, k]."""
         slots = triton_convert_req_index_to_global_index(
-            metadata.req_id_per_token, metadata.block_table, topk,
+            metadata.req_id_per_token[:topk.shape[0]], metadata.block_table, topk,
             BLOCK_SIZE=metadata.block_size, NUM_TOPK_TOKENS=topk.shape[1])
         return slots.view(topk.shape[0], 1, topk.shape[1])
 
@@ -161,7 +229,17 @@ class TritonMLASparseImpl(SparseMLAAttentionImpl[FlashMLASparseMetadata]):
         # the halves where they are, so nothing is concatenated
         tokens = (q if isinstance(q, torch.Tensor) else q[0]).shape[0]
         assert self.topk_indices_buffer is not None
-        slots = self._cache_slots(self.topk_indices_buffer[:tokens], attn_metadata)
+        topk = self.topk_indices_buffer[:tokens]
         rows = kv_c_and_k_pe_cache.view(-1, kv_c_and_k_pe_cache.shape[-1])  # [num_blocks * 64, width]
+        if self.layout == sparse_mla.FP8_DS_MLA_ROWS and getattr(attn_metadata, "prefill_workspace", None) is not None:
+            logger.info_once(f"{NAME}: fp8_ds_mla prefill tokens attend through the bf16 prefill workspace")
+            md, n_dec = attn_metadata, attn_metadata.num_decode_tokens
+            first, last = md.num_decodes, md.num_decodes + md.num_prefills
+            out = sparse_mla.attend_with_prefill_workspace(
+                q, rows, BLOCK_SIZE, self._cache_slots(topk[:n_dec], md), md.block_table[first:last],
+                md.seq_lens[first:last], md.req_id_per_token[n_dec:tokens] - first, topk, self.scale,
+                md.prefill_workspace, md.prefill_seg_rows)
+            return out, None
+        slots = self._cache_slots(topk, attn_metadata)
         out = sparse_mla.attend(self.layout, q, rows, slots, self.scale, getattr(layer, "_k_scale", None))
         return out, None

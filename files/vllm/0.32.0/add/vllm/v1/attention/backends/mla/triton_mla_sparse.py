@@ -216,36 +216,29 @@ class TritonMLASparseImpl(MLAAttentionImpl[TritonMLASparseMetadata], SharedTopkI
         """The model reports the indexer's top-k as written; this backend reads it in-stream."""
 
     def _cache_rows(self, topk: torch.Tensor, metadata: SparseMLACommonMetadata, cache: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cache as flat rows, and each token's top-k positions as rows of it ([T, 1, k])."""
+                    ) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """The cache as flat rows, its rows per block, and each token's top-k positions as rows of it
+        ([T, 1, k])."""
         rows, rows_per_block = flat_kv_row_view(cache, metadata.block_size)
         tokens = topk.shape[0]
         slots = triton_convert_req_index_to_global_index(
             metadata.req_id_per_token[:tokens], metadata.block_table, topk,
             BLOCK_SIZE=metadata.block_size, BLOCK_STRIDE_ROWS=rows_per_block,
             NUM_TOPK_TOKENS=topk.shape[1])
-        return rows, slots.view(tokens, 1, topk.shape[1])
+        return rows, rows_per_block, slots.view(tokens, 1, topk.shape[1])
 
     def _attend_prefill_workspace(self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], topk: torch.Tensor,
                                   metadata: TritonMLASparseMetadata, cache: torch.Tensor) -> torch.Tensor:
         """fp8_ds_mla: the decode tokens (first, as the builder orders them) over the cache, the
         prefill tokens over their requests' contexts dequantised into the bf16 workspace."""
-        tokens, n_dec = topk.shape[0], metadata.num_decode_tokens
+        n_dec = metadata.num_decode_tokens
         logger.info_once(f"{NAME}: fp8_ds_mla prefill tokens attend through the bf16 prefill workspace")
-
-        def part(start: int, end: int):
-            return q[start:end] if isinstance(q, torch.Tensor) else (q[0][start:end], q[1][start:end])
-
-        rows, rows_per_block = flat_kv_row_view(cache, metadata.block_size)
+        rows, rows_per_block, decode_slots = self._cache_rows(topk[:n_dec], metadata, cache)
         first, last = metadata.num_decodes, metadata.num_decodes + metadata.num_prefills
-        prefill = sparse_mla.attend_prefill_fp8_ds_mla(
-            part(n_dec, tokens), rows.view(torch.uint8), rows_per_block, metadata.block_table[first:last],
-            metadata.seq_lens[first:last], metadata.req_id_per_token[n_dec:tokens] - first, topk[n_dec:],
-            self.scale, metadata.prefill_workspace, metadata.prefill_seg_rows)
-        if not n_dec:
-            return prefill
-        rows, slots = self._cache_rows(topk[:n_dec], metadata, cache)
-        return torch.cat([sparse_mla.attend(self.layout, part(0, n_dec), rows, slots, self.scale, None), prefill])
+        return sparse_mla.attend_with_prefill_workspace(
+            q, rows, rows_per_block, decode_slots, metadata.block_table[first:last], metadata.seq_lens[first:last],
+            metadata.req_id_per_token[n_dec:topk.shape[0]] - first, topk, self.scale,
+            metadata.prefill_workspace, metadata.prefill_seg_rows)
 
     def forward_mqa(
         self,
@@ -260,6 +253,6 @@ class TritonMLASparseImpl(MLAAttentionImpl[TritonMLASparseMetadata], SharedTopkI
         topk = self.topk_indices_buffer[:tokens]
         if self.layout == sparse_mla.FP8_DS_MLA_ROWS and getattr(attn_metadata, "prefill_workspace", None) is not None:
             return self._attend_prefill_workspace(q, topk, attn_metadata, kv_c_and_k_pe_cache), None
-        rows, slots = self._cache_rows(topk, attn_metadata, kv_c_and_k_pe_cache)
+        rows, _, slots = self._cache_rows(topk, attn_metadata, kv_c_and_k_pe_cache)
         out = sparse_mla.attend(self.layout, q, rows, slots, self.scale, getattr(layer, "_k_scale", None))
         return out, None
