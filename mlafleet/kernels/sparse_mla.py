@@ -1260,22 +1260,25 @@ def attend_prefill_fp8_ds_mla(q: Query, rows: torch.Tensor, rows_per_block: int,
 
 
 def attend_with_prefill_workspace(q: Query, rows: torch.Tensor, rows_per_block: int, decode_slots: torch.Tensor,
-                                  block_table: torch.Tensor, seq_lens: torch.Tensor, seg_of_token: torch.Tensor,
-                                  positions: torch.Tensor, scale: float, workspace: torch.Tensor,
-                                  seg_rows: int) -> torch.Tensor:
-    """A batch over an fp8_ds_mla cache whose first D tokens decode and whose other tokens prefill
-    (the order vLLM's batch reorder gives): out [T, H, 512] bf16.
+                                  block_table: torch.Tensor, seq_lens: torch.Tensor, req_of_token: torch.Tensor,
+                                  num_decodes: int, num_prefills: int, positions: torch.Tensor, scale: float,
+                                  workspace: torch.Tensor, seg_rows: int) -> torch.Tensor:
+    """A batch over an fp8_ds_mla cache in vLLM's reordered form: out [T, H, 512] bf16.
 
-    The decode tokens read the cache at decode_slots [D, 1, k]; the prefill tokens go through the
-    workspace (attend_prefill_fp8_ds_mla, with the prefill requests' block_table and seq_lens,
-    seg_of_token [T - D] and positions [T, k], the whole batch's)."""
+    Its first num_decodes requests decode (their D tokens first, read from the cache at
+    decode_slots [D, 1, k]); the next num_prefills requests prefill, their tokens through the
+    workspace (attend_prefill_fp8_ds_mla). block_table, seq_lens and req_of_token (each token's
+    request) are the whole batch's; positions [T, k] the indexer's."""
     tokens, n_dec = positions.shape[0], decode_slots.shape[0]
+    first, last = num_decodes, num_decodes + num_prefills
 
     def part(start: int, end: int) -> Query:
         return q[start:end] if isinstance(q, torch.Tensor) else (q[0][start:end], q[1][start:end])
 
-    prefill = attend_prefill_fp8_ds_mla(part(n_dec, tokens), rows.view(torch.uint8), rows_per_block, block_table,
-                                        seq_lens, seg_of_token, positions[n_dec:], scale, workspace, seg_rows)
+    prefill = attend_prefill_fp8_ds_mla(part(n_dec, tokens), rows.view(torch.uint8), rows_per_block,
+                                        block_table[first:last], seq_lens[first:last],
+                                        req_of_token[n_dec:tokens] - first, positions[n_dec:], scale, workspace,
+                                        seg_rows)
     if not n_dec:
         return prefill
     return torch.cat([attend(FP8_DS_MLA_ROWS, part(0, n_dec), rows, decode_slots, scale, None), prefill])

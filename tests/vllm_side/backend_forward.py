@@ -165,8 +165,8 @@ if VLLM == "0.20.2":
             num_actual_tokens=sum(query_lens), max_query_len=max(query_lens), max_seq_len=max(lens),
             block_table_tensor=block_table[: len(lens)], slot_mapping=torch.zeros(sum(query_lens), dtype=torch.int64))
         md = builder.build(0, cm)
-        ws = getattr(md, "prefill_workspace", None)
-        return {"type": type(md).__name__, "workspace_rows": None if ws is None else ws.shape[0],
+        workspace = getattr(md, "prefill_workspace", None)
+        return {"type": type(md).__name__, "workspace_rows": None if workspace is None else workspace.shape[0],
                 "split": [getattr(md, "num_decodes", None), getattr(md, "num_decode_tokens", None),
                           getattr(md, "num_prefills", None)], "seg_rows": getattr(md, "prefill_seg_rows", None)}
 

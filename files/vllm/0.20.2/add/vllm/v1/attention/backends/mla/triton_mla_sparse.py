@@ -233,12 +233,11 @@ class TritonMLASparseImpl(SparseMLAAttentionImpl[FlashMLASparseMetadata]):
         rows = kv_c_and_k_pe_cache.view(-1, kv_c_and_k_pe_cache.shape[-1])  # [num_blocks * 64, width]
         if self.layout == sparse_mla.FP8_DS_MLA_ROWS and getattr(attn_metadata, "prefill_workspace", None) is not None:
             logger.info_once(f"{NAME}: fp8_ds_mla prefill tokens attend through the bf16 prefill workspace")
-            md, n_dec = attn_metadata, attn_metadata.num_decode_tokens
-            first, last = md.num_decodes, md.num_decodes + md.num_prefills
+            md = attn_metadata
             out = sparse_mla.attend_with_prefill_workspace(
-                q, rows, BLOCK_SIZE, self._cache_slots(topk[:n_dec], md), md.block_table[first:last],
-                md.seq_lens[first:last], md.req_id_per_token[n_dec:tokens] - first, topk, self.scale,
-                md.prefill_workspace, md.prefill_seg_rows)
+                q, rows, BLOCK_SIZE, self._cache_slots(topk[:md.num_decode_tokens], md), md.block_table, md.seq_lens,
+                md.req_id_per_token, md.num_decodes, md.num_prefills, topk, self.scale, md.prefill_workspace,
+                md.prefill_seg_rows)
             return out, None
         slots = self._cache_slots(topk, attn_metadata)
         out = sparse_mla.attend(self.layout, q, rows, slots, self.scale, getattr(layer, "_k_scale", None))

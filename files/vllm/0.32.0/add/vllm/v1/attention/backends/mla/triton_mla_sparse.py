@@ -234,11 +234,10 @@ class TritonMLASparseImpl(MLAAttentionImpl[TritonMLASparseMetadata], SharedTopkI
         n_dec = metadata.num_decode_tokens
         logger.info_once(f"{NAME}: fp8_ds_mla prefill tokens attend through the bf16 prefill workspace")
         rows, rows_per_block, decode_slots = self._cache_rows(topk[:n_dec], metadata, cache)
-        first, last = metadata.num_decodes, metadata.num_decodes + metadata.num_prefills
         return sparse_mla.attend_with_prefill_workspace(
-            q, rows, rows_per_block, decode_slots, metadata.block_table[first:last], metadata.seq_lens[first:last],
-            metadata.req_id_per_token[n_dec:topk.shape[0]] - first, topk, self.scale,
-            metadata.prefill_workspace, metadata.prefill_seg_rows)
+            q, rows, rows_per_block, decode_slots, metadata.block_table, metadata.seq_lens, metadata.req_id_per_token,
+            metadata.num_decodes, metadata.num_prefills, topk, self.scale, metadata.prefill_workspace,
+            metadata.prefill_seg_rows)
 
     def forward_mqa(
         self,
