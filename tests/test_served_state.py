@@ -188,3 +188,27 @@ def test_rollback_goes_to_the_last_good_state_and_refuses_a_rejected_previous(sc
     named = rollback(scratch, "back-3", extravars={"vllm_rollback_to": f"rel-a@{r2['revision']}"})
     assert named["rc"] == 0, named["hosts"]
     assert os.readlink(h1 / "releases" / "rel-a" / "server") == f"server.d/{r2['revision']}"
+
+
+def test_the_html_report_names_the_rejected_state_and_the_checksums_before_and_after(tmp_path: Path) -> None:
+    import shutil
+
+    from mlafleet.ops import report
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(REPO / "tests" / "data" / "rollout-report", run_dir)
+    host = "mlafleet-molecule-rollout-3"
+    data = json.loads((run_dir / f"{host}.json").read_text())
+    sums = {"serve": "a" * 64, "vllm.env": "b" * 64, "vllm": "c" * 64}
+    data.update(rejected="rollout-b@0123456789ab", served_same=True,
+                served_before={"state": "rel-a@aaaaaaaaaaaa", "checksums": sums},
+                served_after={"state": "rel-a@aaaaaaaaaaaa", "checksums": dict(sums)})
+    (run_dir / f"{host}.json").write_text(json.dumps(data))
+    html = report.render(run_dir).read_text()
+    section = html.split(f'id="host-{host}"')[1].split("<section")[0]
+    assert "rollout-b@0123456789ab</strong>, is marked" in section and "rejected" in section
+    assert "byte for byte the same" in section and section.count("a" * 16) == 2
+    data.update(served_same=False, served_after={"checksums": {**sums, "serve": "d" * 64}})
+    (run_dir / f"{host}.json").write_text(json.dumps(data))
+    section = report.render(run_dir).read_text().split(f'id="host-{host}"')[1].split("<section")[0]
+    assert "different" in section and "d" * 16 in section
