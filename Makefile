@@ -19,6 +19,10 @@ export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export MLAFLEET_VLLM_PYTHON := $(CURDIR)/$(VLLM_VENV)/bin/python
 export MLAFLEET_VLLM_PYTHON_032 := $(CURDIR)/$(VLLM_VENV_032)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# Each long step runs through scripts/phase, which records its seconds in build/phases.tsv;
+# scripts/phases-report prints the table (.ci/run does at the end of every run, pass or fail).
+PHASE := $(CURDIR)/scripts/phase
+export MLAFLEET_PHASES ?= $(CURDIR)/build/phases.tsv
 # Debian packages the controller needs (installed by the targets below when missing): rollouts
 # sync wheelhouses with rsync over ssh; the lab builds its hosts with docker and debootstrap;
 # the tests sign a stand-in apt repository with gnupg and open the rollout report in chromium.
@@ -43,14 +47,14 @@ test-prereqs: lab-prereqs
 # Controller venv with every tool pinned (requirements/controller.txt).
 $(BIN)/.mlafleet-setup: requirements/controller.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -r requirements/controller.txt 2> >(grep -v '^WARNING: Location' >&2)
+	$(PHASE) setup $(BIN)/pip install -q -r requirements/controller.txt 2> >(grep -v '^WARNING: Location' >&2)
 	$(BIN)/pip install -q --no-deps -e . 2> >(grep -v '^WARNING: Location' >&2)
 	touch $@
 setup: prereqs $(BIN)/.mlafleet-setup
 
 # The lab release's wheels, downloaded once into the cache (~3 GB).
 wheelhouse: setup
-	$(BIN)/mlafleet wheelhouse $(LAB_RELEASE)
+	$(PHASE) wheelhouse $(BIN)/mlafleet wheelhouse $(LAB_RELEASE)
 
 # Controller-side installs of the lab releases (one per release line), for tests that run real vLLM
 # code on the CPU: exactly the lock's wheels from its wheelhouse (pip's own config and PIP_*
@@ -58,7 +62,7 @@ wheelhouse: setup
 define lab-venv
 	$(BIN)/mlafleet wheelhouse $(1)
 	rm -rf $(2) && $(PYTHON) -m venv $(2)
-	PIP_CONFIG_FILE=/dev/null $(2)/bin/pip --isolated install -q --no-index --no-deps --find-links "$$($(BIN)/python -c 'from mlafleet.ops.wheelhouse import wheelhouse_dir; print(wheelhouse_dir("$(1)"))')" -r requirements/releases/$(1).txt
+	PIP_CONFIG_FILE=/dev/null $(PHASE) "vllm venv $(1)" $(2)/bin/pip --isolated install -q --no-index --no-deps --find-links "$$($(BIN)/python -c 'from mlafleet.ops.wheelhouse import wheelhouse_dir; print(wheelhouse_dir("$(1)"))')" -r requirements/releases/$(1).txt
 endef
 $(VLLM_VENV)/.mlafleet-complete: requirements/releases/$(LAB_RELEASE).txt
 	$(call lab-venv,$(LAB_RELEASE),$(VLLM_VENV))
@@ -73,18 +77,18 @@ vllm-venv: setup $(VLLM_VENV)/.mlafleet-complete $(VLLM_VENV_032)/.mlafleet-comp
 # The patch sets (vLLM 0.20.2; vLLM 0.32.0 with vllm-gguf-plugin 0.0.5), built from their pinned
 # wheels (downloaded once) into build/patchset/<version>/.
 patchset: setup
-	for v in $(PATCHSET_VERSIONS); do $(BIN)/mlafleet patchset build --vllm $$v; done
+	for v in $(PATCHSET_VERSIONS); do $(PHASE) "patchset $$v" $(BIN)/mlafleet patchset build --vllm $$v; done
 
 lab-images: setup lab-prereqs
-	$(BIN)/mlafleet lab images
+	$(PHASE) "lab images" $(BIN)/mlafleet lab images
 
 lab-release-image: wheelhouse
-	$(BIN)/mlafleet lab images --release
+	$(PHASE) "lab release image" $(BIN)/mlafleet lab images --release
 
 # The release image plus a release of the second line (both wheelhouses are needed).
 lab-lines-image: lab-release-image
 	$(BIN)/mlafleet wheelhouse $(LAB_LINES_RELEASE)
-	$(BIN)/mlafleet lab images --lines
+	$(PHASE) "lab lines image" $(BIN)/mlafleet lab images --lines
 
 lab-up: setup lab-prereqs
 	$(BIN)/mlafleet lab up --hosts $(HOSTS)
@@ -99,8 +103,8 @@ demo: wheelhouse patchset lab-up
 	$(BIN)/mlafleet smoke-report reports/demo
 
 lint: setup sanity
-	$(BIN)/yamllint -s .
-	$(BIN)/ansible-lint -q --profile production
+	$(PHASE) yamllint $(BIN)/yamllint -s .
+	$(PHASE) ansible-lint $(BIN)/ansible-lint -q --profile production
 
 # ansible-test sanity for the collection's modules and module_utils, on the controller's Python
 # and without containers. ansible-test wants the collection at ansible_collections/mlafleet/fleet
@@ -115,7 +119,7 @@ sanity: setup
 	mkdir -p $$dir/plugins && cp galaxy.yml README.md $$dir/ && cp -r meta $$dir/ && \
 	cp -r plugins/modules plugins/module_utils $$dir/plugins/ && \
 	find $$dir -name __pycache__ -prune -exec rm -rf {} + && \
-	cd $$dir && $(CURDIR)/$(BIN)/ansible-test sanity --local --color no \
+	cd $$dir && $(PHASE) "ansible-test sanity" $(CURDIR)/$(BIN)/ansible-test sanity --local --color no \
 	  --python "$$($(CURDIR)/$(BIN)/python -c 'import sys; print("%d.%d" % sys.version_info[:2])')" \
 	  $(addprefix --test ,$(SANITY_TESTS)) plugins/modules/ plugins/module_utils/
 
@@ -123,14 +127,14 @@ sanity: setup
 # 0.20.2 line's) in the full suite, then once more with the 0.32.0 line's Triton 3.7.1 (its venv;
 # the vLLM-side kernel tests already run against both installs).
 pytest: setup test-prereqs vllm-venv patchset
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
-	TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR) $(VLLM_VENV_032)/bin/python -m pytest -q -p no:cacheprovider \
+	TRITON_INTERPRET=1 $(PHASE) pytest $(BIN)/python -m pytest -q tests
+	TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR) $(PHASE) "kernel tests, Triton 3.7.1" $(VLLM_VENV_032)/bin/python -m pytest -q -p no:cacheprovider \
 	  --ignore-glob='*_vllm*.py' tests/kernels
 
 molecule: setup test-prereqs patchset lab-images lab-release-image $(if $(filter lines,$(SCENARIOS)),lab-lines-image)
 	$(BIN)/mlafleet lab key >/dev/null
 	$(BIN)/mlafleet lab model >/dev/null
-	for s in $(SCENARIOS); do $(BIN)/molecule test -s $$s; done
+	for s in $(SCENARIOS); do $(PHASE) "molecule $$s" $(BIN)/molecule test -s $$s; done
 
 # make test's disk: two controller-side vLLM venvs (12 GB), the wheelhouses (6 GB), the lab images
 # (14 GB) and the molecule hosts (up to 24 GB at once); measured in docs/performance.md.
