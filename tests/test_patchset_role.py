@@ -262,3 +262,25 @@ def test_one_host_with_both_lines(tmp_path: Path, install: Path, install_032: Pa
     assert (install / "mlafleet-patch-backup" / VERSION / "manifest.json").is_file()
     assert (install_032 / "mlafleet-patch-backup" / VERSION_032 / "manifest.json").is_file()
     assert (site_of(install_032) / "vllm_gguf_plugin/weights_adapter/glm_dsa.py").is_file()
+
+
+def test_a_rerun_that_changes_nothing_proves_only_what_no_stamp_covers(tmp_path: Path, install: Path,
+                                                                       build_dir: Path) -> None:
+    """The proof imports vLLM in the install (seconds): a re-run that changes nothing skips it where a
+    passed proof of this very manifest is stamped, and runs it where the stamp is missing or stale.
+    This install holds only the files the patch set reads, so the proof, when it runs, fails: a
+    passing re-run shows it was skipped."""
+    rc, out, _ = play(tmp_path, install, build_dir)
+    assert rc == 0, out[-3000:]
+    kept = install / "mlafleet-patch-backup" / VERSION
+    stamp = kept / "proven"
+    stamp.write_text(hashlib.sha256((kept / "manifest.json").read_bytes()).hexdigest() + "\n")
+    rc, out, counts = play(tmp_path, install, build_dir, extra={"vllm_patch_prove": True})
+    assert rc == 0 and counts["changed"] == 0, out[-3000:]
+    assert "patch set unchanged and proven before in " + str(install) in out
+    stamp.write_text("0" * 64 + "\n")  # a proof of another manifest
+    rc, out, _ = play(tmp_path, install, build_dir, extra={"vllm_patch_prove": True})
+    assert rc != 0 and "the patch set is not in effect" in out, out[-3000:]
+    stamp.unlink()
+    rc, out, _ = play(tmp_path, install, build_dir, extra={"vllm_patch_prove": True})
+    assert rc != 0 and "the patch set is not in effect" in out, out[-3000:]
