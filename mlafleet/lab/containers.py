@@ -1,7 +1,8 @@
 """The lab fleet: Debian 12 containers running systemd and sshd, standing in for GPU hosts.
 
 Hosts that cannot exist here (Blackwell GPU servers) are replaced by the closest real thing:
-containers built offline from a debootstrap root filesystem, systemd as PID 1, sshd with a
+containers built from a debootstrap root filesystem (read from Debian's mirror once, then cached
+by recipe hash), systemd as PID 1, sshd with a
 lab key, reached by Ansible over SSH on ports published on 127.0.0.1 only. They have no GPU
 and serve vLLM's CPU build; nothing here pretends to be a GPU.
 
