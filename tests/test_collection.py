@@ -319,8 +319,11 @@ def test_docs_name_every_role_module_plugin_and_playbook() -> None:
     names += [p.stem for p in (REPO / "plugins" / "modules").glob("*.py")]
     names += [p.stem for p in (REPO / "plugins" / "callback").glob("*.py")]
     names += [p.stem for p in (REPO / "plugins" / "action").glob("*.py")]
+    names += [p.stem for p in (REPO / "plugins" / "lookup").glob("*.py")]
     for path in (REPO / "plugins" / "filter").glob("*.py"):
         names += re.findall(r'"([a-z_]+)": ', path.read_text(encoding="utf-8").split("def filters", 1)[1])
     missing = [n for n in names if f"`{n}`" not in text and f"mlafleet.fleet.{n}`" not in text]
     assert not missing, f"docs/layout.md does not name {missing}"
     assert "plugins/module_utils/digest.py" in text
+    for path in (REPO / "plugins" / "plugin_utils").glob("*.py"):
+        assert f"plugins/plugin_utils/{path.name}" in text, path.name
