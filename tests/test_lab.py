@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -31,6 +33,49 @@ def test_inventory_names_every_host_and_links_the_lab_vars(tmp_path: Path):
     assert group["vars"]["ansible_connection"] == "ssh" and group["vars"]["mlafleet_lab"] is True
     lab_vars = yaml.safe_load((path.parent / "group_vars" / "all.yml").read_text())
     assert lab_vars["preflight_require_gpu"] is False  # CPU lab hosts say so
+    assert group["vars"]["lab_checkout"] == str(lab.REPO)
+
+
+MODEL_SRC_PLAY = """
+- hosts: all
+  gather_facts: false
+  tasks:
+    - ansible.builtin.copy:
+        dest: "{{ out }}"
+        content: "{{ vllm_server_model_src }}"
+        mode: "0644"
+      delegate_to: localhost
+"""
+
+
+def test_the_lab_serves_the_model_of_its_own_checkout_wherever_the_roles_come_from(tmp_path: Path):
+    """vllm_server_model_src is the lab checkout's .lab/models/tiny-llama/ (from the inventory, or
+    molecule's project directory), not a path beside the roles (an installed collection has none);
+    with neither, the run stops naming what is missing."""
+    path = tmp_path / "inv" / "hosts.yml"
+    lab.write_inventory_file(path, [lab.Host("lab1", "mlafleet-lab-1", 32001, "172.20.0.2")])
+    (tmp_path / "play.yml").write_text(MODEL_SRC_PLAY)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ANSIBLE_", "MOLECULE_"))}
+    bin_dir = Path(sys.executable).parent
+
+    def model_src(inventory: Path, **extra_env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(bin_dir / "ansible-playbook"), "-i", str(inventory), str(tmp_path / "play.yml"),
+                               "-e", f"out={tmp_path / 'src.txt'}"], cwd=tmp_path, env={**env, **extra_env},
+                              capture_output=True, text=True, timeout=300, check=False)
+
+    done = model_src(path)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert (tmp_path / "src.txt").read_text() == f"{lab.REPO}/.lab/models/tiny-llama/"
+    # a molecule scenario's inventory: no lab_checkout, the project directory in the environment
+    bare = tmp_path / "molecule" / "hosts.yml"
+    bare.parent.mkdir()
+    bare.write_text("all:\n  hosts:\n    h1: {}\n")
+    (bare.parent / "group_vars").symlink_to(lab.RECIPE_DIR / "group_vars")
+    done = model_src(bare, MOLECULE_PROJECT_DIRECTORY="/srv/clone")
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert (tmp_path / "src.txt").read_text() == "/srv/clone/.lab/models/tiny-llama/"
+    done = model_src(bare)
+    assert done.returncode != 0 and "lab_checkout is not set: `mlafleet lab up` writes it" in done.stdout, done.stdout
 
 
 def test_tiny_llama_is_deterministic_and_fits_cpu_attention(tmp_path: Path):

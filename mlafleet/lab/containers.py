@@ -356,7 +356,9 @@ def write_inventory_file(path: Path, hosts: list[Host]) -> None:
     lines += ["      vars:", "        ansible_user: root", "        ansible_connection: ssh",
               f"        ansible_ssh_private_key_file: {KEY}",
               "        ansible_ssh_common_args: -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null",
-              "        mlafleet_lab: true"]
+              "        mlafleet_lab: true",
+              # the checkout whose .lab/ holds the model the lab serves (files/lab/group_vars/all.yml)
+              f"        lab_checkout: {REPO}"]
     path.write_text("\n".join(lines) + "\n")
     link = path.parent / "group_vars"
     if not link.exists():
