@@ -7,6 +7,10 @@ only for mlafleet runs: once the run id is known (the extra variable mlafleet_ru
 mlafleet_run_id fact that playbooks/release.yml sets on the controller). At the end of the
 playbook (also when every host failed, when later plays never start) it writes the timeline
 and renders the HTML report with mlafleet.ops.report from the JSON in the run's report directory.
+
+Enabled in the checkout's ansible.cfg; with the installed collection, enable it by its full name
+(`callbacks_enabled = mlafleet.fleet.mlafleet_report`). The collection carries the two modules of
+the mlafleet package it runs (mlafleet/ops/report.py and its template), so it needs no checkout.
 """
 
 from __future__ import annotations
@@ -18,9 +22,12 @@ short_description: Per-host timeline of an mlafleet run and its HTML report (rep
 description:
   - Records, per host, which role ran when (per play and serial batch) with its outcome, and
     writes reports/<run>/timeline.json and reports/<run>/index.html at the end of the playbook.
-  - The report directory's root is $MLAFLEET_REPORT_ROOT, or reports/ beside this repository.
+  - The report directory's root is $MLAFLEET_REPORT_ROOT; else reports/ of the checkout when the
+    collection is a checkout; else reports/ in the working directory (the lookup
+    mlafleet.fleet.mlafleet_report_dir gives the same directory to the playbooks and roles).
 requirements:
-  - enable in ansible.cfg (callbacks_enabled = mlafleet_report)
+  - enable in ansible.cfg (callbacks_enabled = mlafleet_report in the checkout, mlafleet.fleet.mlafleet_report
+    from the installed collection)
 """
 
 import json
@@ -30,7 +37,9 @@ import time
 from pathlib import Path
 
 from ansible.plugins.callback import CallbackBase
+from ansible_collections.mlafleet.fleet.plugins.plugin_utils.report_dir import report_root
 
+# The collection's root: the checkout, or the installed collection, which carries mlafleet/ops/report.py.
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -126,7 +135,7 @@ class CallbackModule(CallbackBase):
             return
         if self.plays:
             self.plays[-1]["end"] = time.time()
-        report_dir = Path(os.environ.get("MLAFLEET_REPORT_ROOT") or REPO / "reports") / self.run_id
+        report_dir = report_root() / self.run_id
         timeline = {
             "run": self.run_id, "release": self.release_id, "playbook": self.playbook,
             "started": self.started, "ended": time.time(), "plays": self.plays, "hosts": self.hosts,
@@ -136,7 +145,7 @@ class CallbackModule(CallbackBase):
             report_dir.mkdir(parents=True, exist_ok=True)
             (report_dir / "timeline.json").write_text(json.dumps(timeline, indent=1, sort_keys=True) + "\n")
             if str(REPO) not in sys.path:
-                sys.path.insert(0, str(REPO))  # ansible-playbook from outside the controller venv
+                sys.path.insert(0, str(REPO))  # ansible-playbook from outside the controller venv, or installed
             from mlafleet.ops.report import render
 
             path = render(report_dir)
