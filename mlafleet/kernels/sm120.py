@@ -104,7 +104,8 @@ def compile_for_sm120(fn: Any, signature: dict[str, str], constexprs: dict[str, 
                                  maxnreg)
 
     full_signature = {n: signature.get(n, "constexpr") for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    # sorted: a set iterates in a per-process order, and the attrs are part of Triton's cache key
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sorted(aligned)}
     if gluon:
         from triton.experimental.gluon._runtime import GluonASTSource
 
