@@ -106,13 +106,13 @@ def _exit_text(run: dict[str, Any] | None) -> str | None:
     """The exit status as the CLI returned it, with ansible-playbook's return code named as such.
 
     run.json's `rc` is the CLI's exit status and `playbook_rc` ansible-playbook's; a run.json of
-    an older mlafleet has only `rc`, which was ansible-playbook's.
+    an older mlafleet has only `rc`, which was ansible-playbook's, and is named so.
     """
     if not run or run.get("rc") is None:
         return None
     if "playbook_rc" not in run:
         return f"ansible-playbook rc {run['rc']}"
-    text = f"{run['rc']}"
+    text = f"exit status {run['rc']}"
     if run.get("interrupted"):
         return text + f" (interrupted by {run['interrupted'].get('signal', '?')}; ansible-playbook canceled)"
     if run["playbook_rc"] is not None and run["playbook_rc"] != run["rc"]:
