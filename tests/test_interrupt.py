@@ -127,8 +127,8 @@ class Cli:
             assert self.proc.poll() is None and time.monotonic() < deadline, f"waiting for {what}:\n{self.output()}"
             time.sleep(0.1)
 
-    def interrupt(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    def interrupt(self, sig: int = signal.SIGINT) -> None:
+        os.killpg(self.proc.pid, sig)  # SIGINT: what a terminal's Ctrl-C does
 
     def exit(self, timeout: float = 180) -> int:
         return self.proc.wait(timeout)
@@ -155,19 +155,21 @@ def kill_all(pids: list[int]) -> None:
             pass
 
 
-def test_ctrl_c_releases_the_locks_names_the_cut_host_and_the_next_run_goes_on(fleet):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_releases_the_locks_names_the_cut_host_and_the_next_run_goes_on(fleet, sig):
     marker, h1 = fleet["root"] / "writer.pids", fleet["root"] / "h1"
+    name = signal.Signals(sig).name
     cli = rollout(fleet, "p23")
     pids: list[int] = []
     try:
         cli.wait_for(marker)
         pids = [int(p) for p in marker.read_text().split()]
         assert json.loads((h1 / ".lock").read_text())["run"] == "p23"
-        cli.interrupt()
-        assert cli.exit() == 130, cli.output()
+        cli.interrupt(sig)
+        assert cli.exit() == 128 + sig, cli.output()
         out = cli.output()
         # 1. The running tasks were stopped, then this run's lock released after its install was stopped.
-        assert "interrupted (SIGINT): stopping the running tasks" in out
+        assert f"interrupted ({name}): stopping the running tasks" in out
         assert "cleanup: stopping what run p23 still runs and releasing its locks on h1" in out
         assert re.search(rf"h1 +cleanup: lock released after stopping install of run p23 \(pid {pids[0]}", out), out
         assert not (h1 / ".lock").exists() and not (h1 / ".lock.steps").exists()
@@ -177,20 +179,20 @@ def test_ctrl_c_releases_the_locks_names_the_cut_host_and_the_next_run_goes_on(f
         assert os.readlink(h1 / "current") == "releases/rel-a"
         # 2. Every host's true state, in the summary, run.json and the HTML report; one exit status.
         summary = out[out.index("mlafleet rollout  run p23"):]
-        assert summary.startswith("mlafleet rollout  run p23  exit 130 (interrupted by SIGINT; ansible-playbook canceled)")
+        assert summary.startswith(f"mlafleet rollout  run p23  exit {128 + sig} (interrupted by {name}; ansible-playbook canceled)")
         assert re.search(r"\n  h1 +interrupted +interrupted at Install the pinned packages; "
                          r"no server running; current release rel-a; cleanup: lock released", summary), summary
         assert re.search(r"\n  h2 +not reached\n", summary), summary
         assert " ok " not in summary
         report = json.loads((fleet["reports"] / "p23" / "run.json").read_text())
-        assert report["rc"] == 130 and report["playbook_rc"] == 254 and report["status"] == "interrupted"
-        assert report["interrupted"]["signal"] == "SIGINT" and report["interrupted"]["cleanup"] == "done"
+        assert report["rc"] == 128 + sig and report["playbook_rc"] == 254 and report["status"] == "interrupted"
+        assert report["interrupted"]["signal"] == name and report["interrupted"]["cleanup"] == "done"
         hosts = {h["host"]: h for h in report["hosts"]}
         assert hosts["h1"]["status"] == "interrupted" and hosts["h1"]["interrupted_at"] == "Install the pinned packages"
         assert hosts["h1"]["serves"] == "no server running; current release rel-a" and hosts["h1"]["lock"] == "released"
         assert hosts["h2"]["status"] == "not reached"
         html = (fleet["reports"] / "p23" / "index.html").read_text()
-        assert "exit status 130 (interrupted by SIGINT; ansible-playbook canceled)" in html
+        assert f"exit status {128 + sig} (interrupted by {name}; ansible-playbook canceled)" in html
         row = re.search(r'<tr id="row-h1">(.*?)</tr>', html, re.S).group(1)
         assert ">interrupted</span>" in row and "interrupted at Install the pinned packages" in row
         # 4. The cut run's half-installed release is left for the next run to remove, as before.
