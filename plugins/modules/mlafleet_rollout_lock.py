@@ -279,7 +279,7 @@ def stop_steps(module: AnsibleModule, path: str, run: str) -> list[str]:
                 stopped.append(f"{record.get('step')} of run {run} (pid {record.get('pid')}) would be stopped")
                 continue
             started = time.monotonic()
-            what = " ".join(str(a) for a in (record.get("argv") or [])[:4])[:160]
+            what = " ".join(" ".join(str(a).split()) for a in (record.get("argv") or [])[:4])[:160]
             for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 30)):
                 for pid in pids:
                     try:
@@ -425,7 +425,8 @@ def main() -> None:
         module.exit_json(changed=True, msg="taken", broken=None)
     msg = (f"{path}: {how}" + (f", stopped what it left running: {'; '.join(stopped)}," if stopped else "")
            + " and took it")
-    module.exit_json(changed=True, msg=msg, broken=broken, stopped=stopped, warnings=[msg])
+    module.warn(msg)
+    module.exit_json(changed=True, msg=msg, broken=broken, stopped=stopped)
 
 
 if __name__ == "__main__":
