@@ -232,7 +232,7 @@ def test_taking_over_stops_the_orphaned_install_before_its_release_is_removed(sc
     (scratch["root"] / "writer.py").write_text(WRITER)
     (scratch["root"] / "lost.yml").write_text(STEP_PLAY)
     env = {**os.environ, "ANSIBLE_CONFIG": str(runner.REPO / "ansible.cfg"),
-           "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+           "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "MLAFLEET_REPORT_ROOT": str(scratch["reports"])}
     env.pop("MLAFLEET_CONTROLLER_PID", None)
     argv = json.dumps([sys.executable, str(scratch["root"] / "writer.py"), str(release), str(marker),
                        "1" if stubborn else "0"])
