@@ -368,6 +368,23 @@ def claim(containers: list[str]) -> dict[str, str]:
     return states
 
 
+def free_local_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ssh_publish_args(port: int) -> list[str]:
+    """Publish the container's sshd on 127.0.0.1:`port`, a port fixed when the container is made.
+
+    With `-p 127.0.0.1::22` Docker picks a new port at every `docker start`, so a lab host that
+    was stopped and started again was unreachable until `mlafleet lab up` rewrote the inventory; a
+    port named here stays the container's across restarts, and inventory/lab stays right.
+    """
+    return ["-p", f"127.0.0.1:{port}:22"]
+
+
 def up(count: int = 2, name: str = "lab", image: str = f"{BASE_IMAGE}:latest",
        write_inventory: bool = True) -> list[Host]:
     """Start `count` lab hosts (idempotent: running ones are kept) and return them."""
@@ -395,7 +412,7 @@ def up(count: int = 2, name: str = "lab", image: str = f"{BASE_IMAGE}:latest",
         if state == "missing":
             log(f"starting {container} from {image}")
             sh("docker", "run", "-d", "--name", container, "--hostname", f"{name}{i}",
-               "--network", network, *CONTAINER_OPTS, "-p", "127.0.0.1::22",
+               "--network", network, *CONTAINER_OPTS, *ssh_publish_args(free_local_port()),
                "-v", f"{key}.pub:{KEY_MOUNT}:ro",
                "--label", f"mlafleet.lab={name}", "--label", f"{CHECKOUT_LABEL}={REPO}", image)
         elif state == "stopped":
