@@ -371,8 +371,8 @@ def main() -> None:
     if p["state"] == "run":
         run_step(module, path)
     if not p["run"]:
-        module.fail_json(msg="run must be a non-empty run id (site.yml and rollback.yml set mlafleet_run_id in a "
-                             "play on localhost: with --limit, keep localhost in the pattern)")
+        module.fail_json(msg="run must be a non-empty run id: mlafleet_run_id is set by playbooks/release.yml "
+                             "(site.yml and rollback.yml import it first); run it first, or pass rollout_lock_run")
     now = time.time()
     lock = read_lock(path)
 
