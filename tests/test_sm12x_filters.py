@@ -59,6 +59,11 @@ def log(version="0.32.0", device="cuda", **args):
     # the lab: the CPU build, the tiny Llama
     ({"log": log("0.20.2", "cpu"), "model_config": LLAMA, "gpus": []}, "CPU_ATTN"),
     ({"log": log("0.32.0", "cpu"), "model_config": LLAMA, "gpus": []}, "CPU_ATTN"),
+    # a CPU host whose server ran on another platform is expected CPU_ATTN all the same (and fails)
+    ({"log": log("0.32.0", "cuda"), "model_config": LLAMA, "gpus": []}, "CPU_ATTN"),
+    # GPUs unknown (no preflight in this run): nothing expected unless the operator named one
+    ({"log": log(), "model_config": GLM5, "gpus": None}, ""),
+    ({"log": log(attention_backend="TRITON_MLA_SPARSE"), "model_config": GLM5, "gpus": None}, "TRITON_MLA_SPARSE"),
     # GB10 (12.1): ours for every KV dtype (the switch is on by default there)
     ({"log": log(kv_cache_dtype="fp8_ds_mla"), "model_config": GLM5, "gpus": gpus("12.1"), "switch": True},
      "TRITON_MLA_SPARSE"),

@@ -88,11 +88,12 @@ def is_sparse_mla_model(config: Any) -> bool:
 def expected_backend(facts: dict[str, Any]) -> str:
     """The attention backend a host must report, "" where mlafleet expects nothing in particular.
 
-    facts: gpus (preflight_gpus), line (the running vLLM's version), switch (the running release's
-    MLAFLEET_TRITON_SPARSE_MLA), model_config (config.json text or dict), log (sm12x_backend_log's
-    answer for the running server).
+    facts: gpus (preflight_gpus; None when unknown), line (the running vLLM's version), switch (the
+    running release's MLAFLEET_TRITON_SPARSE_MLA), model_config (config.json text or dict), log
+    (sm12x_backend_log's answer for the running server).
     - The operator named a backend (--attention-backend, in the logged arguments): that one.
-    - The CPU platform (the lab): CPU_ATTN for a standard-attention model; nothing otherwise.
+    - The host's GPUs are unknown (preflight did not run): nothing.
+    - A host without GPUs (the lab, vLLM's CPU build): CPU_ATTN for a standard-attention model.
     - A sparse-MLA (DSA) model on compute capability 8.x or 12.x: TRITON_MLA_SPARSE, except on the
       0.32.0 line on 12.x with an fp8 cache and the switch off, where the operator keeps upstream's
       FLASHINFER_MLA_SPARSE_SM120.
@@ -103,11 +104,15 @@ def expected_backend(facts: dict[str, Any]) -> str:
     named = args.get("attention_backend")
     if named:
         return str(named).split(".")[-1]
-    if log.get("device") == "cpu":
-        return "" if is_sparse_mla_model(facts.get("model_config")) else CPU_STANDARD
-    if not is_sparse_mla_model(facts.get("model_config")):
+    gpus = facts.get("gpus")
+    if gpus is None:
         return ""
-    majors = {str((g or {}).get("compute_capability", "")).split(".")[0] for g in facts.get("gpus") or []}
+    sparse = is_sparse_mla_model(facts.get("model_config"))
+    if not gpus:
+        return "" if sparse else CPU_STANDARD
+    if not sparse:
+        return ""
+    majors = {str((g or {}).get("compute_capability", "")).split(".")[0] for g in gpus}
     if "12" in majors:
         line = str(log.get("version") or facts.get("line") or "")
         fp8 = args.get("kv_cache_dtype") not in UNQUANTISED_KV
