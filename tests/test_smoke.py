@@ -22,6 +22,15 @@ def test_summary_names_each_host_and_its_completion(tmp_path: Path):
     assert "' Paris.' (2 tokens, 40.5 ms)" in lines[1] and "TRITON_MLA_SPARSE" in lines[1]
 
 
+def test_summary_names_the_backend_found_and_the_one_expected(tmp_path: Path):
+    (tmp_path / "lab1.json").write_text(json.dumps({
+        "host": "lab1", "ok": True, "release": "0.20.2-abc", "health_ms": 2.0, "attention_backend_log": None,
+        "attention_backend": "CPU_ATTN", "attention_backend_expected": "CPU_ATTN",
+        "completion": {"prompt": "Hi", "text": " there", "tokens": 1, "latency_ms": 9.0},
+        "chat": {"text": "Hello", "tokens": 1, "latency_ms": 8.0}}))
+    assert summarize(tmp_path)[0].endswith("attention backend: CPU_ATTN (expected CPU_ATTN)")
+
+
 def test_no_reports_is_an_error(tmp_path: Path):
     with pytest.raises(FileNotFoundError, match="no smoke reports"):
         summarize(tmp_path)

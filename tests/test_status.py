@@ -411,4 +411,4 @@ def test_status_names_the_served_revision_the_previous_state_and_the_rejected_on
     assert got["leftovers"] == []  # the previous state's release is kept, not a leftover
     table = status.format_table([{"host": "h1", "reachable": True, **got}])
     row = table.splitlines()[1]
-    assert "rel-a@bbbbbbbbbbbb" in row and "rel-a@aaaaaaaaaaaa" in row and row.rstrip().endswith("rel-a@cccccccccccc  -")
+    assert "rel-a@bbbbbbbbbbbb" in row and "rel-a@aaaaaaaaaaaa" in row and "rel-a@cccccccccccc  no watchdog" in row

