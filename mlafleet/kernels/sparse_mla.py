@@ -13,10 +13,10 @@ The contract is the one of vLLM 0.20.2's FlashMLA sparse calls (DESIGN.md sectio
 fp8_ds_mla: 656 bytes per token. Bytes 0-511: 512 float8_e4m3 values; 512-527: four
 float32 scales, one per 128 values (x = fp8 * scale); 528-655: the 64 bf16 RoPE values.
 
-This module holds the readable float32 references and the fp8_ds_mla quantiser (the ground
-truth), the Triton kernels with their launcher, and the public entry points
+This module holds the Triton kernels with their launcher, the public entry points
 sparse_mla_fwd / sparse_mla_fwd_fp8 / sparse_mla_fwd_fp8_e4m3, and the layouts of vLLM's KV cache
-by kv_cache_dtype with `attend` over each (what the backends call). It imports only torch and
+by kv_cache_dtype with `attend` over each (what the backends call). The tests' ground truth, the
+float32 references and the fp8 cache writers, is tests/kernels/oracles.py. It imports only torch and
 triton; on SM12x the launcher also runs the Gluon fp8_ds_mla kernel of sparse_mla_gluon.py
 (imported on its first use there).
 
@@ -44,118 +44,12 @@ D_ROPE = 64  # RoPE part, only in the key
 D_QK = D_NOPE + D_ROPE  # 576
 FP8_GROUP = 128  # values per fp8 scale
 FP8_GROUPS = D_NOPE // FP8_GROUP  # 4
-FP8_MAX = 448.0  # largest float8_e4m3fn value
-FP8_AMAX_FLOOR = 1e-4  # a tile of zeros still gets a finite scale
 FP8_TOKEN_BYTES = D_NOPE + 4 * FP8_GROUPS + 2 * D_ROPE  # 656
 FP8_SCALE_OFFSET = D_NOPE  # 512
 FP8_ROPE_OFFSET = D_NOPE + 4 * FP8_GROUPS  # 528
 FP8_BLOCK_SIZE = 64  # tokens per cache block for fp8_ds_mla
 LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2
 TRIM_SCAN = tl.constexpr(256)  # indices per step of the kernel's last-valid-index pass (TRIM_TAIL)
-
-
-# --------------------------------------------------------------------------------------
-# fp8_ds_mla layout
-# --------------------------------------------------------------------------------------
-
-def quantize_fp8_ds_mla(kv: torch.Tensor) -> torch.Tensor:
-    """Pack tokens [..., 576] (bf16 or float32) into the fp8_ds_mla layout, uint8 [..., 656].
-
-    Each group of 128 latent values gets one float32 scale: its absolute maximum (at least
-    1e-4) divided by 448 and rounded up to a power of two, so every value fits float8_e4m3
-    without saturating. The RoPE part is stored as bf16, unquantised.
-    """
-    if kv.shape[-1] != D_QK:
-        raise ValueError(f"quantize_fp8_ds_mla: last dim must be {D_QK}, got {tuple(kv.shape)}")
-    if not kv.is_floating_point():
-        raise TypeError(f"quantize_fp8_ds_mla: expected a float tensor, got {kv.dtype}")
-    lead = kv.shape[:-1]
-    x = kv.reshape(-1, D_QK).float()
-    nope = x[:, :D_NOPE].reshape(-1, FP8_GROUPS, FP8_GROUP)
-    amax = nope.abs().amax(dim=-1).clamp_min(FP8_AMAX_FLOOR)  # [n, 4]
-    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))  # power of two, scale*448 >= amax
-    fp8 = (nope / scale[..., None]).to(torch.float8_e4m3fn).reshape(-1, D_NOPE)
-    rope = x[:, D_NOPE:].to(torch.bfloat16)
-    packed = torch.cat([fp8.view(torch.uint8), scale.contiguous().view(torch.uint8),
-                        rope.contiguous().view(torch.uint8)], dim=-1)
-    return packed.reshape(*lead, FP8_TOKEN_BYTES)
-
-
-def dequantize_fp8_ds_mla(cache: torch.Tensor) -> torch.Tensor:
-    """Unpack fp8_ds_mla tokens uint8 [..., 656] into float32 [..., 576] (exact)."""
-    if cache.dtype != torch.uint8 or cache.shape[-1] != FP8_TOKEN_BYTES:
-        raise ValueError(f"dequantize_fp8_ds_mla: expected uint8 [..., {FP8_TOKEN_BYTES}], "
-                         f"got {cache.dtype} {tuple(cache.shape)}")
-    lead = cache.shape[:-1]
-    rows = cache.reshape(-1, FP8_TOKEN_BYTES).contiguous()
-    fp8 = rows[:, :D_NOPE].view(torch.float8_e4m3fn).float().reshape(-1, FP8_GROUPS, FP8_GROUP)
-    scale = rows[:, FP8_SCALE_OFFSET:FP8_ROPE_OFFSET].contiguous().view(torch.float32)
-    rope = rows[:, FP8_ROPE_OFFSET:].contiguous().view(torch.bfloat16).float()
-    nope = (fp8 * scale[..., None]).reshape(-1, D_NOPE)
-    return torch.cat([nope, rope], dim=-1).reshape(*lead, D_QK)
-
-
-# --------------------------------------------------------------------------------------
-# references (float32, readable; the tests' ground truth)
-# --------------------------------------------------------------------------------------
-
-def _attend_reference(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, sm_scale: float,
-                      d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [s_q, h, 576], k [s_q, topk, 576] (the gathered keys), valid [s_q, topk] bool."""
-    k = torch.where(valid[..., None], k.float(), 0.0)  # invalid rows never contribute (even NaN)
-    logits = torch.einsum("shd,std->sht", q.float(), k) * sm_scale
-    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)  # -inf where nothing is valid
-    probs = torch.exp(logits - lse[..., None]).nan_to_num(0.0)  # rows with no valid index: 0
-    out = torch.einsum("sht,std->shd", probs, k[..., :d_v])
-    lse = torch.where(torch.isneginf(lse), float("inf"), lse)
-    return out, lse
-
-
-def reference_sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
-                         sm_scale: float, d_v: int = D_NOPE) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse MLA in float32 with torch: (out [s_q, h_q, d_v] float32, lse [s_q, h_q] float32)."""
-    _check_common(_query_halves(q)[0], indices, d_v)  # references: q [s_q, h_q, 576]
-    _check_bf16_kv(kv, q)
-    s_kv = kv.shape[0]
-    idx = indices[:, 0, :].long()
-    valid = (idx >= 0) & (idx < s_kv)
-    k = kv[:, 0, :][idx.clamp(0, max(s_kv - 1, 0))] if s_kv else q.new_zeros(*idx.shape, D_QK)
-    return _attend_reference(q, k, valid, sm_scale, d_v)
-
-
-def reference_sparse_mla_fp8(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
-                             sm_scale: float, d_v: int = D_NOPE) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse MLA over an fp8_ds_mla cache, in float32 with torch (dequantise, then attend)."""
-    _check_common(_query_halves(q)[0], indices, d_v)  # references: q [s_q, h_q, 576]
-    rows = _fp8_rows(kv_cache, q)
-    n_slots = rows.shape[0]
-    idx = indices[:, 0, :].long()
-    valid = (idx >= 0) & (idx < n_slots)
-    k = dequantize_fp8_ds_mla(rows[idx.clamp(0, max(n_slots - 1, 0))])
-    return _attend_reference(q, k, valid, sm_scale, d_v)
-
-
-def quantize_fp8_e4m3(kv: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, float]:
-    """A plain fp8 cache of kv [..., 576]: (float8_e4m3fn values x, scale), kv ~ x * scale.
-
-    One scale for the whole cache (vLLM's per-layer k_scale), by default amax / 448."""
-    if scale is None:
-        scale = max(float(kv.float().abs().nan_to_num(0.0).amax()), FP8_AMAX_FLOOR) / FP8_MAX
-    return (kv.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
-
-
-def reference_sparse_mla_fp8_e4m3(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
-                                  sm_scale: float, kv_scale: float,
-                                  d_v: int = D_NOPE) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse MLA over a plain fp8 cache [s_kv, 1, 576], in float32 (dequantise, then attend)."""
-    _check_common(_query_halves(q)[0], indices, d_v)  # references: q [s_q, h_q, 576]
-    kv = kv_cache.view(torch.float8_e4m3fn).reshape(-1, 1, D_QK).float() * float(kv_scale)
-    s_kv = kv.shape[0]
-    idx = indices[:, 0, :].long()
-    valid = (idx >= 0) & (idx < s_kv)
-    k = kv[:, 0, :][idx.clamp(0, max(s_kv - 1, 0))] if s_kv else q.new_zeros(*idx.shape, D_QK)
-    return _attend_reference(q, k, valid, sm_scale, d_v)
 
 
 # --------------------------------------------------------------------------------------
