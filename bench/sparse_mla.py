@@ -61,7 +61,7 @@ CASES = [(kind, s_q, h_q) for kind in ("bf16", "fp8") for s_q, h_q in SHAPES] + 
 # --sweep: configs timed beside the launcher's choice, by cache dtype, at the launcher's split
 # rule: every config the launcher has (CONFIGS itself, so a sweep never times a variant of them
 # under their names), plus any experiment added here (each must fit SM120: check it offline
-# with mlafleet.kernels.sm120 before a run)
+# with tests/kernels/sm120.py before a run)
 CANDIDATES: dict[str, list[sm.KernelConfig]] = {
     # (bf16: and 32-key tiles at 5 stages, the launcher's choice up to 16 heads until the tenth pass)
     "bf16": [cfg for (d, _), cfg in sm.CONFIGS.items() if d == "bf16"]

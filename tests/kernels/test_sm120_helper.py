@@ -1,4 +1,4 @@
-"""The SM120 static check itself: it must see both ways a kernel can fail on SM120."""
+"""The SM120 static check itself (sm120.py): it must see both ways a kernel can fail on SM120."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import triton
 import triton.language as tl
 
-from mlafleet.kernels.sm120 import SM120_MAX_SHARED_BYTES, compile_for_sm120
+from sm120 import SM120_MAX_SHARED_BYTES, compile_for_sm120
 
 
 @triton.jit
