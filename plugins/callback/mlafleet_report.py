@@ -6,7 +6,8 @@ rollout` (ansible-runner, which keeps ansible.cfg's callbacks) write the same re
 only for mlafleet runs: once the run id is known (the extra variable mlafleet_run, or the
 mlafleet_run_id fact that playbooks/release.yml sets on the controller). At the end of the
 playbook (also when every host failed, when later plays never start) it writes the timeline
-and renders the HTML report with mlafleet.ops.report from the JSON in the run's report directory.
+and renders the HTML report from the JSON in the run's report directory with the collection's
+plugin_utils/report.py (which `mlafleet report` runs too).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ requirements:
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -135,9 +135,7 @@ class CallbackModule(CallbackBase):
         try:
             report_dir.mkdir(parents=True, exist_ok=True)
             (report_dir / "timeline.json").write_text(json.dumps(timeline, indent=1, sort_keys=True) + "\n")
-            if str(REPO) not in sys.path:
-                sys.path.insert(0, str(REPO))  # ansible-playbook from outside the controller venv
-            from mlafleet.ops.report import render
+            from ansible_collections.mlafleet.fleet.plugins.plugin_utils.report import render
 
             path = render(report_dir)
             self._display.display(f"rollout report: {path}")
