@@ -2,7 +2,9 @@
 # The kernel benchmarks on the H200 test machine, in two steps.
 #
 # stage (here): copy into <checkout>/.dev/<folder> (git-ignored), for the device tool, which sends
-#   the lead's checkout and the paths named in `carry`: our kernel modules, the benchmarks (sparse MLA,
+#   the lead's checkout and the paths named in `carry`: our kernel modules, the tests' oracles
+#   (tests/kernels/oracles.py: the references and cache writers) and sm_120 compile check
+#   (tests/kernels/sm120.py), the benchmarks (sparse MLA,
 #   its trimmed-loop, host-time, decode and prefill-workspace tables sparse_mla_tail.py,
 #   sparse_mla_host.py, sparse_mla_prefill.py and
 #   sparse_mla_decode.py, the Gluon probe
@@ -27,9 +29,11 @@ if [[ "$mode" == stage ]]; then
     dest="$checkout/.dev/$folder"
     git -C "$checkout" check-ignore -q ".dev/$folder" || { echo "$checkout/.dev is not git-ignored" >&2; exit 1; }
     rm -rf "$dest"
-    mkdir -p "$dest/mlafleet/kernels" "$dest/vllm/third_party/flashmla"
+    mkdir -p "$dest/mlafleet/kernels" "$dest/tests/kernels" "$dest/vllm/third_party/flashmla"
     cp "$here/mlafleet/__init__.py" "$dest/mlafleet/"
-    cp "$here"/mlafleet/kernels/{__init__,sparse_mla,sparse_mla_gluon,sm120,indexer}.py "$dest/mlafleet/kernels/"
+    cp "$here"/mlafleet/kernels/{__init__,sparse_mla,sparse_mla_gluon,indexer}.py "$dest/mlafleet/kernels/"
+    # the references the benchmarks check against, and the sm_120 compile check (the Gluon probe's)
+    cp "$here/tests/kernels/oracles.py" "$here/tests/kernels/sm120.py" "$dest/tests/kernels/"
     if [[ -n "$before" ]]; then
         git -C "$here" show "$before:mlafleet/kernels/sparse_mla.py" > "$dest/mlafleet/kernels/sparse_mla_before.py"
     fi

@@ -385,7 +385,9 @@ def gluon_fp8_sparse_mla(Q, Q_ROPE, KV, KVH, KVF, IDX, OUT, LSE, n_slots, h_q, t
 def compile_grouped(cap: int, block_n: int = 32, stages: int = 2, maxnreg: int | None = None,
                     partial: bool = False, trim: bool = False) -> dict:
     """The launcher's Gluon kernel (mlafleet/kernels/sparse_mla_gluon.py) at other ring depths."""
-    spec = next(sp for sp in sm._gluon_specs(dataclasses.replace(sm.GLUON_FP8, block_n=block_n, num_stages=stages))
+    from tests.kernels.sm120 import gluon_specs  # its launches, as the sm_120 test compiles them
+
+    spec = next(sp for sp in gluon_specs(dataclasses.replace(sm.GLUON_FP8, block_n=block_n, num_stages=stages))
                 if sp["constexprs"]["PARTIAL"] == partial and sp["constexprs"]["TRIM_TAIL"] == trim)
     return _compile(spec["fn"], cap, spec["signature"], spec["constexprs"], spec["aligned"], maxnreg)
 
@@ -471,11 +473,13 @@ def run_on_gpu(variants, pin_triton_shared: int = 0,
     _sys.path.insert(0, str(Path(__file__).resolve().parent))
     from cuda_timing import time_graph
 
+    from tests.kernels import oracles  # the float32 reference and the fp8 cache writer
+
     dev, gen = "cuda", torch.Generator(device="cuda").manual_seed(0)
     scale = 576 ** -0.5
     s_kv, topk = 2_000_000, 2048
     kv = (torch.randn((s_kv, 576), device=dev, generator=gen) * 0.5).to(torch.bfloat16)
-    cache = sm.quantize_fp8_ds_mla(kv)
+    cache = oracles.quantize_fp8_ds_mla(kv)
     kv = kv.view(s_kv, 1, 576)  # for the bf16 launcher's time beside it (issue 16: fp8 <= 0.7x of it)
     print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}")
     # correctness: 4 tokens, invalid and out-of-range indices, a row with nothing valid
@@ -485,7 +489,7 @@ def run_on_gpu(variants, pin_triton_shared: int = 0,
         idx[:, :, 5::17] = -1
         idx[:, :, 7::29] = s_kv + 3
         idx[-1] = -1
-        ref_o, ref_l = sm.reference_sparse_mla_fp8(q, cache, idx, scale)
+        ref_o, ref_l = oracles.reference_sparse_mla_fp8(q, cache, idx, scale)
         for v in variants:
             o, lse = gluon_fp8_fwd(q, cache, idx, scale, **v)
             err = ((o.float() - ref_o).norm(dim=-1) / ref_o.norm(dim=-1).clamp_min(1e-6))[:3].max().item()

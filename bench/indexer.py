@@ -29,6 +29,7 @@ import triton
 from cuda_timing import time_graph
 
 from mlafleet.kernels import indexer as ix
+from tests.kernels import oracles  # the float64 references
 
 D = 128
 TOPK = 2048
@@ -114,7 +115,7 @@ def prefill_case(dg, heads: int, req_ctx: list[int], req_q: list[int], gen: torc
     cols = torch.arange(n_keys, device=dev)
     inside = (cols[None] >= ks_t[:, None]) & (cols[None] < ke_t[:, None])
     rows = torch.linspace(0, m - 1, 16, device=dev).long()
-    ref = ix.mqa_logits_reference(q[rows], k, k_scale, w[rows], ks_t[rows], ke_t[rows])
+    ref = oracles.mqa_logits_reference(q[rows], k, k_scale, w[rows], ks_t[rows], ke_t[rows])
     sel = inside[rows]
     res = {
         "case": f"prefill H={heads} ctx={req_ctx} q={req_q}",
@@ -188,7 +189,7 @@ def decode_case(dg, heads: int, lens: list[int], gen: torch.Generator, block_siz
     cols = torch.arange(max_model_len, device=dev)
     inside = cols[None] < ctx
     rows = torch.unique(torch.linspace(0, b - 1, min(b, 8), device=dev).long())
-    ref = ix.paged_mqa_logits_reference(q[rows], cache, w[rows], ctx[rows], table[rows], max_model_len)
+    ref = oracles.paged_mqa_logits_reference(q[rows], cache, w[rows], ctx[rows], table[rows], max_model_len)
     sel = inside[rows]
     res = {
         "case": f"decode H={heads} B={b} ctx {min(lens)}-{max(lens)}",
@@ -225,7 +226,7 @@ class ReferenceDeepGemm:
 
     @staticmethod
     def fp8_fp4_mqa_logits(q, kv, weights, ks, ke, clean_logits):
-        return ix.mqa_logits_reference(q[0], kv[0], kv[1], weights, ks, ke)
+        return oracles.mqa_logits_reference(q[0], kv[0], kv[1], weights, ks, ke)
 
     @staticmethod
     def get_paged_mqa_logits_metadata(ctx, block_size, sms):
@@ -233,7 +234,7 @@ class ReferenceDeepGemm:
 
     @staticmethod
     def fp8_fp4_paged_mqa_logits(q, cache, weights, ctx, table, sched, max_model_len, clean_logits):
-        return ix.paged_mqa_logits_reference(q[0], cache, weights, ctx, table, max_model_len)
+        return oracles.paged_mqa_logits_reference(q[0], cache, weights, ctx, table, max_model_len)
 
 
 def main() -> None:
@@ -320,7 +321,7 @@ def sweep(gen: torch.Generator, lens64: list[int], results: list, meta: dict, ou
         q = (torch.randn((m, heads, D), generator=gen, device=DEV) * 2).to(FP8)
         k, k_scale = quantize_per_token(torch.randn((n, D), generator=gen, device=DEV))
         w = torch.randn((m, heads), generator=gen, device=DEV) / heads ** 0.5
-        base = ix.mqa_logits_reference(q[::512], k, k_scale, w[::512], ks[::512], ke[::512])
+        base = oracles.mqa_logits_reference(q[::512], k, k_scale, w[::512], ks[::512], ke[::512])
         flops = 2.0 * float((ke - ks).sum()) * heads * D
         inside = torch.arange(n, device=DEV)[None] < ke[::512, None]
         for rows, bn, warps, stages, key_major in PREFILL_VARIANTS:

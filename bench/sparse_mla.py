@@ -39,6 +39,7 @@ import torch
 from cuda_timing import row_error, time_graph
 
 from mlafleet.kernels import sparse_mla as sm
+from tests.kernels import oracles  # the float32 references and the fp8 cache writers
 
 DEV = "cuda"  # --cpu-dry-run: "cpu" (Triton's interpreter, small sizes)
 S_KV = 2_000_000
@@ -60,7 +61,7 @@ CASES = [(kind, s_q, h_q) for kind in ("bf16", "fp8") for s_q, h_q in SHAPES] + 
 # --sweep: configs timed beside the launcher's choice, by cache dtype, at the launcher's split
 # rule: every config the launcher has (CONFIGS itself, so a sweep never times a variant of them
 # under their names), plus any experiment added here (each must fit SM120: check it offline
-# with mlafleet.kernels.sm120 before a run)
+# with tests/kernels/sm120.py before a run)
 CANDIDATES: dict[str, list[sm.KernelConfig]] = {
     # (bf16: and 32-key tiles at 5 stages, the launcher's choice up to 16 heads until the tenth pass)
     "bf16": [cfg for (d, _), cfg in sm.CONFIGS.items() if d == "bf16"]
@@ -181,8 +182,8 @@ def correctness(fm, before, kv: torch.Tensor, cache: torch.Tensor, gen: torch.Ge
         q = torch.randn(4, h_q, 576, device=DEV, generator=gen).bfloat16()
         idx = make_indices(4, TOPK, gen, invalid=True)
         assert DEV == "cpu" or int(idx.max()) * BF16_ROW_BYTES > 2**31  # rows past 2^31 bytes are read
-        ref, ref_lse = sm.reference_sparse_mla(q, kv, idx, SCALE)
-        ref8, ref8_lse = sm.reference_sparse_mla_fp8(q, cache, idx, SCALE)
+        ref, ref_lse = oracles.reference_sparse_mla(q, kv, idx, SCALE)
+        ref8, ref8_lse = oracles.reference_sparse_mla_fp8(q, cache, idx, SCALE)
         for name, splits in (("auto", None), ("unsplit", 1), ("split 16", 16)):
             record("bf16", h_q, f"ours ({name})", *sm.sparse_mla_fwd(q, kv, idx, SCALE, num_splits=splits),
                    ref, ref_lse)
@@ -239,7 +240,7 @@ def warm(shard: int, n_shards: int, before) -> None:
     """Compile this shard's launches on a small cache (same specialisations as the timing)."""
     gen = torch.Generator(device=DEV).manual_seed(shard)
     kv = torch.randn(S_KV_WARM, 1, 576, device=DEV, generator=gen).bfloat16()
-    cache = sm.quantize_fp8_ds_mla(kv.view(S_KV_WARM, 576)).view(S_KV_WARM // 64, 64, 656)
+    cache = oracles.quantize_fp8_ds_mla(kv.view(S_KV_WARM, 576)).view(S_KV_WARM // 64, 64, 656)
     todo = launches(before)[shard::n_shards]
     for impl, kind, s_q, h_q, cfg, splits in todo:
         mod = sm if impl == "ours" else before
@@ -375,7 +376,7 @@ def main() -> None:
 
     gen = torch.Generator(device=DEV).manual_seed(0)
     kv = torch.randn(S_KV, 1, 576, device=DEV, generator=gen).bfloat16()
-    cache = sm.quantize_fp8_ds_mla(kv.view(S_KV, 576)).view(S_KV // 64, 64, 656)
+    cache = oracles.quantize_fp8_ds_mla(kv.view(S_KV, 576)).view(S_KV // 64, 64, 656)
     print(f"caches: bf16 {kv.numel() * 2 / 1e9:.2f} GB, fp8 {cache.numel() / 1e9:.2f} GB "
           f"({time.time() - started:.0f} s)", flush=True)
 

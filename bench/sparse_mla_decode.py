@@ -33,6 +33,7 @@ import triton.language as tl
 from cuda_timing import time_graph
 
 from mlafleet.kernels import sparse_mla as sm
+from tests.kernels import oracles  # the float32 references and the fp8 cache writers
 
 S_KV = 2_000_000
 TOPK = 2048
@@ -110,9 +111,9 @@ def check_pdl_in_graph(kv, cache, gen) -> list[dict]:
                 graph.replay()
                 torch.cuda.synchronize()
                 if kind == "bf16":
-                    ref, _ = sm.reference_sparse_mla(q_src, kv, i_src, SCALE)
+                    ref, _ = oracles.reference_sparse_mla(q_src, kv, i_src, SCALE)
                 else:
-                    ref, _ = sm.reference_sparse_mla_fp8(q_src, cache, i_src, SCALE)
+                    ref, _ = oracles.reference_sparse_mla_fp8(q_src, cache, i_src, SCALE)
                 out = result["out"].float()
                 worst = max(worst, float(((out - ref).norm(dim=-1) / ref.norm(dim=-1)).max()))
             rows.append({"cache": kind, "s_q": s_q, "h_q": h_q, "splits": splits, "err": worst})
@@ -126,7 +127,7 @@ def warm(shard: int, n_shards: int) -> None:
     gen = torch.Generator(device="cuda").manual_seed(shard)
     n = 64_000  # divisible by 16 as S_KV: the same specialisations
     kv = torch.randn(n, 1, 576, device="cuda", generator=gen).bfloat16()
-    cache = sm.quantize_fp8_ds_mla(kv.view(n, 576)).view(n // 64, 64, 656)
+    cache = oracles.quantize_fp8_ds_mla(kv.view(n, 576)).view(n // 64, 64, 656)
     todo = [(kind, cfg, splits, pdl, s_q, h_q) for kind in ("bf16", "fp8") for s_q, h_q in SHAPES
             for cfg, splits in [(None, None), *((c, s) for c in CONFIGS[kind].values() for s in SPLITS)]
             for pdl in (False, True)]
@@ -177,7 +178,7 @@ def main() -> int:
     fm = load_flashmla(args.flashmla)
     gen = torch.Generator(device="cuda").manual_seed(0)
     kv = torch.randn(S_KV, 1, 576, device="cuda", generator=gen).bfloat16()
-    cache = sm.quantize_fp8_ds_mla(kv.view(S_KV, 576)).view(S_KV // 64, 64, 656)
+    cache = oracles.quantize_fp8_ds_mla(kv.view(S_KV, 576)).view(S_KV // 64, 64, 656)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = {"pdl_check": check_pdl_in_graph(kv, cache, gen), "floors": {}, "cases": []}
 

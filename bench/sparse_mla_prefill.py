@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cuda_timing import row_error, time_graph  # noqa: E402
 
 from mlafleet.kernels import sparse_mla as sm  # noqa: E402
+from tests.kernels import oracles  # noqa: E402  (the fp8 cache writer and reader)
 
 S_KV = 1 << 20  # cache slots (16384 pages of 64)
 PAGE = 64
@@ -71,8 +72,8 @@ def main() -> None:
               else SHAPES)
     gen = torch.Generator(device="cuda").manual_seed(0)
     kv = torch.randn((S_KV, 1, 576), generator=gen, device="cuda").bfloat16()
-    cache = sm.quantize_fp8_ds_mla(kv[:, 0])  # [S_KV, 656]
-    kv = sm.dequantize_fp8_ds_mla(cache).bfloat16().view(S_KV, 1, 576)  # the same values in bf16
+    cache = oracles.quantize_fp8_ds_mla(kv[:, 0])  # [S_KV, 656]
+    kv = oracles.dequantize_fp8_ds_mla(cache).bfloat16().view(S_KV, 1, 576)  # the same values in bf16
     fp8_cache = cache.view(S_KV // PAGE, PAGE, 1, sm.FP8_TOKEN_BYTES)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

@@ -18,7 +18,7 @@ COMMANDS: dict[str, str] = {
     "lab": "mlafleet.lab.containers",
     "plan": "mlafleet.ops.runner",
     "patchset": "mlafleet.patchset.builder",
-    "report": "mlafleet.ops.report",
+    "report": "ansible_collections.mlafleet.fleet.plugins.plugin_utils.report",  # the collection's renderer (plugins/plugin_utils/report.py)
     "rollback": "mlafleet.ops.runner",
     "rollout": "mlafleet.ops.runner",
     "smoke-report": "mlafleet.ops.smoke",

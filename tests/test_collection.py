@@ -119,10 +119,10 @@ def test_the_tarball_holds_only_ansible_content(tarball: Path) -> None:
     # the CLI, the runner, the lab ...), and the report's template
     with tarfile.open(tarball) as tar:
         shipped = {m.name for m in tar.getmembers() if m.isfile() and m.name.startswith("mlafleet/")}
-    assert shipped == controller_modules() | {"mlafleet/ops/templates/report.html.j2"}, sorted(shipped)
+    assert shipped == controller_modules(), sorted(shipped)
 
 
-def controller_modules(roots: tuple[str, ...] = ("mlafleet.ops.perfgate", "mlafleet.ops.report")) -> set[str]:
+def controller_modules(roots: tuple[str, ...] = ("mlafleet.ops.perfgate",)) -> set[str]:
     """The mlafleet files that the modules the collection runs on the controller import, at any depth
     (imports inside functions too), with the __init__.py of every package on the way."""
     seen: set[str] = set()
@@ -153,8 +153,8 @@ def test_controller_modules_follows_every_kind_of_import() -> None:
     """The closure above sees what the tarball must carry: the report the runner imports inside a
     function, the ones the CLI imports by relative or absolute name, every package's __init__.py."""
     closure = controller_modules(("mlafleet.ops.runner",))
-    assert {"mlafleet/__init__.py", "mlafleet/ops/__init__.py", "mlafleet/ops/runner.py", "mlafleet/ops/report.py"} <= closure
-    assert controller_modules() >= {"mlafleet/ops/perfgate.py", "mlafleet/ops/report.py"}
+    assert {"mlafleet/__init__.py", "mlafleet/ops/__init__.py", "mlafleet/ops/runner.py"} <= closure
+    assert controller_modules() >= {"mlafleet/ops/perfgate.py"}
     assert "mlafleet/ops/runner.py" not in controller_modules()
 
 
@@ -363,7 +363,7 @@ def test_installed_from_the_checkout_it_runs_the_perf_gate_and_the_report_from_a
     checkout's own collections/ entry is not the released version); then, from an empty working
     directory, with a Python that has no mlafleet package and no ansible.cfg, the collection's
     perf_gate role decides with its own mlafleet.ops.perfgate, the mlafleet_report callback (enabled
-    by its full name) renders the page with its own mlafleet.ops.report, and every report lands in
+    by its full name) renders the page with its own plugin_utils/report.py, and every report lands in
     the working directory's reports/, none in the installed collection."""
     from perf_support import FakeVLLM
     from weights_support import serving

@@ -4,7 +4,8 @@ mlafleet/ holds the `mlafleet` command (cli.py) and one package per job: ops/ (o
 patchset/, weights/, kernels/, lab/ (test and demo only). Production code, that is every module of
 the package outside lab/ and every plugin of the collection, must run without the lab: no import
 of it (read with ast), no module of it loaded by importing them all (in a fresh interpreter), and
-the CLI loads it only for its own command.
+the CLI loads it only for its own command. Between the package and the collection's plugins,
+imports go one way: the package imports the plugins' utils, no plugin imports the package.
 """
 
 from __future__ import annotations
@@ -73,6 +74,52 @@ def test_no_production_module_imports_the_lab() -> None:
         for path in (REPO / directory).rglob("*"):
             if path.is_file():
                 assert not re.search(r"mlafleet[./]lab\b", path.read_text(encoding="utf-8", errors="replace")), path
+
+
+def package_references(source: str, where: str) -> list[str]:
+    """The imports of the mlafleet package in `source`, and the strings that name one of its
+    modules (importlib's way). The collection's own names (ansible_collections.mlafleet.fleet...,
+    mlafleet.fleet.<plugin>) are not the package."""
+    found = []
+    for node in ast.walk(ast.parse(source, where)):
+        if isinstance(node, ast.Import):
+            found += [f"import {a.name}" for a in node.names if re.match(r"mlafleet(\.|$)", a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            if re.match(r"mlafleet(\.|$)", node.module):
+                found.append(f"from {node.module} import ...")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if re.fullmatch(r"mlafleet(\.(?!fleet\b)\w+)+", node.value):
+                found.append(repr(node.value))
+    return found
+
+
+def test_the_package_reference_finder_sees_every_way_of_importing_the_package() -> None:
+    """The check below can fail: each form of importing the package is found, and the
+    collection's own names are not taken for it."""
+    source = ("import mlafleet\nimport mlafleet.ops.report\nfrom mlafleet.ops.report import render\n"
+              "from mlafleet import cli\nimport importlib\nimportlib.import_module('mlafleet.ops.perfgate')\n"
+              "from ansible_collections.mlafleet.fleet.plugins.plugin_utils.report import render\n"
+              "name = 'mlafleet.fleet.mlafleet_report_dir'\nCALLBACK_NAME = 'mlafleet_report'\n")
+    assert package_references(source, "x.py") == [
+        "import mlafleet", "import mlafleet.ops.report", "from mlafleet.ops.report import ...",
+        "from mlafleet import ...", "'mlafleet.ops.perfgate'"]
+
+
+def test_plugins_never_import_the_package() -> None:
+    """One direction between the collection and the package: the package imports the
+    collection's module_utils and plugin_utils by their collection names (one copy of each, which
+    Ansible ships with the modules); no plugin, module_utils or plugin_utils imports the package,
+    so the collection runs where the package is not installed."""
+    plugins = sorted((REPO / "plugins").rglob("*.py"))
+    assert REPO / "plugins" / "callback" / "mlafleet_report.py" in plugins
+    assert REPO / "plugins" / "plugin_utils" / "report.py" in plugins
+    found = {str(p.relative_to(REPO)): refs for p in plugins
+             if (refs := package_references(p.read_text(encoding="utf-8"), str(p)))}
+    assert found == {}
+    # the direction that stays: the package uses the collection's code by its collection name
+    users = {str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py")
+             if "ansible_collections.mlafleet.fleet.plugins." in p.read_text(encoding="utf-8")}
+    assert {"mlafleet/cli.py", "mlafleet/ops/runner.py", "mlafleet/weights/shards.py"} <= users
 
 
 LOADED = """

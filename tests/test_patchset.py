@@ -285,16 +285,20 @@ def test_real_patch_contents(fresh_build: Path) -> None:
 
 
 def test_shipped_modules_do_not_import_mlafleet(repo_root: Path, version: str) -> None:
-    """A module copied into an install cannot import mlafleet there; our kernels import only
-    torch, triton, the standard library and each other (shipped into the same package)."""
+    """A module copied into an install cannot import mlafleet there. Our kernels' package imports,
+    at module level, only torch, triton, the standard library and its own modules (shipped into the
+    same package), so that it imports without vLLM (the controller's tests); vLLM only inside
+    functions, where the parts both lines' backend and indexer share call it in the install."""
     import ast
     import sys
 
     spec = patchset.load_spec(version)
-    assert {dest.split("/")[-1] for _, dest in spec.ship} >= {"sparse_mla.py", "indexer.py", "gguf_glm_dsa.py"}
+    assert {dest.split("/")[-1] for _, dest in spec.ship} >= {
+        "sparse_mla.py", "indexer.py", "sparse_mla_backend.py", "indexer_dispatch.py", "gguf_glm_dsa.py"}
     for src, dest in spec.ship:
         kernel = dest.startswith(patchset.KERNELS_PACKAGE + "/")
         tree = ast.parse((repo_root / src).read_text())
+        top_level = {id(node) for node in tree.body}
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 roots = [alias.name.split(".")[0] for alias in node.names]
@@ -313,9 +317,39 @@ def test_shipped_modules_do_not_import_mlafleet(repo_root: Path, version: str) -
             for root in roots:
                 assert root != "mlafleet", f"{src} imports mlafleet (line {node.lineno})"
                 if kernel:
-                    assert root in ("torch", "triton") or root in sys.stdlib_module_names, (
-                        f"{src} imports {root} (line {node.lineno}): shipped kernels import only "
-                        "torch, triton and the standard library")
+                    allowed = ("torch", "triton") if id(node) in top_level else ("torch", "triton", "vllm")
+                    assert root in allowed or root in sys.stdlib_module_names, (
+                        f"{src} imports {root} (line {node.lineno}): the shipped kernels' package imports only "
+                        "torch, triton and the standard library (vLLM only inside functions)")
+
+
+def test_the_lines_added_modules_do_not_repeat_each_other(repo_root: Path) -> None:
+    """What both lines' backend and indexer share is written once (mlafleet/kernels/sparse_mla_backend.py,
+    indexer_dispatch.py): the two lines' added files share no run of 6 code lines (docstrings,
+    comments, blank lines, imports and the functions' decorators and signatures, which each line's
+    vLLM dictates, left out)."""
+    import difflib
+
+    def code_lines(path: Path) -> list[str]:
+        import ast
+
+        tree = ast.parse(path.read_text())
+        skip = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                skip.update(range(node.lineno, node.end_lineno + 1))
+            elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+                skip.update(range(node.lineno, node.end_lineno + 1))  # docstrings
+            elif isinstance(node, ast.FunctionDef):  # its decorators and signature
+                skip.update(range(min([node.lineno, *(d.lineno for d in node.decorator_list)]), node.body[0].lineno))
+        lines = path.read_text().splitlines()
+        return [" ".join(line.split()) for n, line in enumerate(lines, start=1)
+                if n not in skip and line.strip() and not line.strip().startswith("#")]
+
+    for added in ("vllm/v1/attention/backends/mla/triton_mla_sparse.py", "vllm/v1/attention/ops/mlafleet_indexer.py"):
+        old, new = (code_lines(repo_root / "files/vllm" / v / "add" / added) for v in ("0.20.2", "0.32.0"))
+        match = difflib.SequenceMatcher(None, old, new, autojunk=False).find_longest_match(0, len(old), 0, len(new))
+        assert match.size < 6, (added, old[match.a:match.a + match.size])
 
 
 # --- several distributions in one patch set, and what upstream already ships ------------------

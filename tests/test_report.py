@@ -1,4 +1,4 @@
-"""The HTML rollout report (mlafleet.ops.report), rendered from a recorded run and opened in Chromium.
+"""The HTML rollout report (plugins/plugin_utils/report.py), rendered from a recorded run and opened in Chromium.
 
 tests/data/rollout-report/ is the report directory of a real run: the molecule rollout
 scenario's main rollout (release rollout-b to two lab hosts; the perf gate passed on the first
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from mlafleet.ops import report
+from ansible_collections.mlafleet.fleet.plugins.plugin_utils import report
 from mlafleet.ops.perfgate import METRICS
 
 RECORDED = Path(__file__).resolve().parent / "data" / "rollout-report"
@@ -143,7 +143,7 @@ def test_ansible_playbook_users_get_the_report_too(tmp_path):
     hosts = "".join(f"    {h}: {{ansible_connection: local, ansible_python_interpreter: {sys.executable}}}\n"
                     for h in ("h1", "h2"))
     (tmp_path / "inv.yml").write_text(f"all:\n  hosts:\n{hosts}")
-    env = {**os.environ, "ANSIBLE_CONFIG": str(report.TEMPLATE.parents[2] / "ansible.cfg"),
+    env = {**os.environ, "ANSIBLE_CONFIG": str(Path(__file__).resolve().parents[1] / "ansible.cfg"),
            "MLAFLEET_REPORT_ROOT": str(tmp_path / "reports")}
     out = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(tmp_path / "inv.yml"),
                           str(tmp_path / "play.yml"), "-e", "mlafleet_run=plain"], text=True, capture_output=True,

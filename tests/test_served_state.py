@@ -193,7 +193,7 @@ def test_rollback_goes_to_the_last_good_state_and_refuses_a_rejected_previous(sc
 def test_the_html_report_names_the_rejected_state_and_the_checksums_before_and_after(tmp_path: Path) -> None:
     import shutil
 
-    from mlafleet.ops import report
+    from ansible_collections.mlafleet.fleet.plugins.plugin_utils import report
 
     run_dir = tmp_path / "run"
     shutil.copytree(REPO / "tests" / "data" / "rollout-report", run_dir)
@@ -217,7 +217,7 @@ def test_the_html_report_names_the_rejected_state_and_the_checksums_before_and_a
 def test_a_skipped_perf_gate_is_named_with_its_reason_in_the_html_report(tmp_path: Path) -> None:
     import shutil
 
-    from mlafleet.ops import report
+    from ansible_collections.mlafleet.fleet.plugins.plugin_utils import report
 
     run_dir = tmp_path / "run"
     shutil.copytree(REPO / "tests" / "data" / "rollout-report", run_dir)

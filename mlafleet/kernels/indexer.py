@@ -30,7 +30,7 @@ the contract). It is an exact radix select in Triton (a few KB of shared memory;
 long rows, split over several programs a row); `top_k_per_row_torch` does the same through
 torch.topk.
 
-Readable float64 references (`*_reference`) sit beside each fast path; the tests compare them.
+The tests compare each fast path with a readable float64 reference (tests/kernels/oracles.py).
 This module imports only torch and triton.
 """
 
@@ -112,19 +112,6 @@ def _check(cond: bool, message: str) -> None:
 # ----------------------------------------------------------------------------------------------
 # Prefill: MQA logits over a contiguous K with a [ks, ke) key range per query token.
 # ----------------------------------------------------------------------------------------------
-
-
-def mqa_logits_reference(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
-                         weights: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor) -> torch.Tensor:
-    """float64 reference: [M, N] float32, -inf outside each row's [ks, ke)."""
-    qf = q.to(torch.float64)                                   # [M, H, D]
-    kf = k.to(torch.float64)                                   # [N, D]
-    scores = torch.einsum("mhd,nd->mhn", qf, kf).clamp_min(0)  # relu
-    logits = (scores * weights.to(torch.float64)[:, :, None]).sum(dim=1)
-    logits = logits * k_scale.to(torch.float64)[None, :]
-    n = torch.arange(k.shape[0], device=q.device)[None, :]
-    inside = (n >= ks.long()[:, None]) & (n < ke.long()[:, None])
-    return logits.masked_fill(~inside, NEG_INF).to(torch.float32)
 
 
 # Triton specialises integer arguments on divisibility by 16 and on 1, one compiled variant each:
@@ -285,40 +272,6 @@ def mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, weights:
 # ----------------------------------------------------------------------------------------------
 # Decode: MQA logits over the paged indexer K cache.
 # ----------------------------------------------------------------------------------------------
-
-
-def split_kv_cache(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The indexer cache's fp8 values [num_blocks, block_size, D] and float32 scales
-    [num_blocks, block_size], read the plain way (for references and tests)."""
-    num_blocks, block_size = kv_cache.shape[0], kv_cache.shape[1]
-    flat = kv_cache.reshape(num_blocks, block_size, -1).flatten(1)   # [blocks, block_size * (D + 4)]
-    values = flat[:, : block_size * head_dim].view(FP8).reshape(num_blocks, block_size, head_dim)
-    scales = flat[:, block_size * head_dim:].contiguous().view(torch.float32)
-    return values, scales
-
-
-def paged_mqa_logits_reference(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
-                               context_lens: torch.Tensor, block_table: torch.Tensor,
-                               max_model_len: int) -> torch.Tensor:
-    """float64 reference: [B * next_n, max_model_len] float32, -inf past each row's context."""
-    B, next_n, H, D = q.shape
-    values, scales = split_kv_cache(kv_cache, D)
-    block_size = values.shape[1]
-    ctx = _per_token_context_lens(context_lens, B, next_n)
-    out = torch.full((B * next_n, max_model_len), NEG_INF, dtype=torch.float32, device=q.device)
-    for b in range(B):
-        for j in range(next_n):
-            length = int(ctx[b, j])
-            if length <= 0:
-                continue
-            pos = torch.arange(length, device=q.device)
-            phys = block_table[b, pos // block_size].long()
-            keys = values[phys, pos % block_size].to(torch.float64)       # [L, D]
-            ksc = scales[phys, pos % block_size].to(torch.float64)        # [L]
-            s = (q[b, j].to(torch.float64) @ keys.T).clamp_min(0)         # [H, L]
-            row = (s * weights[b * next_n + j].to(torch.float64)[:, None]).sum(0) * ksc
-            out[b * next_n + j, :length] = row.to(torch.float32)
-    return out
 
 
 def _per_token_context_lens(context_lens: torch.Tensor, batch: int, next_n: int) -> torch.Tensor:
@@ -487,19 +440,6 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
 # ----------------------------------------------------------------------------------------------
 # Top-k per row.
 # ----------------------------------------------------------------------------------------------
-
-
-def top_k_per_row_reference(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor,
-                            topk: int) -> list[set[int]]:
-    """Per row, the set of positions (relative to start) of the topk largest logits in range."""
-    result = []
-    for row in range(logits.shape[0]):
-        s = 0 if starts is None else int(starts[row])
-        e = int(ends[row])
-        vals = logits[row, s:max(s, e)].to(torch.float64)
-        order = torch.argsort(vals, descending=True, stable=True)[:topk]
-        result.append({int(i) for i in order})
-    return result
 
 
 def decode_row_ends(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:

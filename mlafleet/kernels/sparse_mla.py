@@ -13,16 +13,16 @@ The contract is the one of vLLM 0.20.2's FlashMLA sparse calls (DESIGN.md sectio
 fp8_ds_mla: 656 bytes per token. Bytes 0-511: 512 float8_e4m3 values; 512-527: four
 float32 scales, one per 128 values (x = fp8 * scale); 528-655: the 64 bf16 RoPE values.
 
-This module holds the readable float32 references and the fp8_ds_mla quantiser (the ground
-truth), the Triton kernels with their launcher, and the public entry points
+This module holds the Triton kernels with their launcher, the public entry points
 sparse_mla_fwd / sparse_mla_fwd_fp8 / sparse_mla_fwd_fp8_e4m3, and the layouts of vLLM's KV cache
-by kv_cache_dtype with `attend` over each (what the backends call). It imports only torch and
+by kv_cache_dtype with `attend` over each (what the backends call). The tests' ground truth, the
+float32 references and the fp8 cache writers, is tests/kernels/oracles.py. It imports only torch and
 triton; on SM12x the launcher also runs the Gluon fp8_ds_mla kernel of sparse_mla_gluon.py
 (imported on its first use there).
 
 On a CUDA GPU the kernels are compiled; with TRITON_INTERPRET=1 set before triton is imported
 the Triton kernels run on CPU tensors in Triton's interpreter (the CI tests). Every config the launcher can
-choose fits SM120 (sm120_compile_specs, checked by tests/kernels/test_sparse_mla_sm120.py).
+choose fits SM120 (tests/kernels/test_sparse_mla_sm120.py compiles each for sm_120).
 Benchmark against FlashMLA: bench/sparse_mla.py, results in docs/perf-kernels.md.
 """
 
@@ -44,118 +44,12 @@ D_ROPE = 64  # RoPE part, only in the key
 D_QK = D_NOPE + D_ROPE  # 576
 FP8_GROUP = 128  # values per fp8 scale
 FP8_GROUPS = D_NOPE // FP8_GROUP  # 4
-FP8_MAX = 448.0  # largest float8_e4m3fn value
-FP8_AMAX_FLOOR = 1e-4  # a tile of zeros still gets a finite scale
 FP8_TOKEN_BYTES = D_NOPE + 4 * FP8_GROUPS + 2 * D_ROPE  # 656
 FP8_SCALE_OFFSET = D_NOPE  # 512
 FP8_ROPE_OFFSET = D_NOPE + 4 * FP8_GROUPS  # 528
 FP8_BLOCK_SIZE = 64  # tokens per cache block for fp8_ds_mla
 LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2
 TRIM_SCAN = tl.constexpr(256)  # indices per step of the kernel's last-valid-index pass (TRIM_TAIL)
-
-
-# --------------------------------------------------------------------------------------
-# fp8_ds_mla layout
-# --------------------------------------------------------------------------------------
-
-def quantize_fp8_ds_mla(kv: torch.Tensor) -> torch.Tensor:
-    """Pack tokens [..., 576] (bf16 or float32) into the fp8_ds_mla layout, uint8 [..., 656].
-
-    Each group of 128 latent values gets one float32 scale: its absolute maximum (at least
-    1e-4) divided by 448 and rounded up to a power of two, so every value fits float8_e4m3
-    without saturating. The RoPE part is stored as bf16, unquantised.
-    """
-    if kv.shape[-1] != D_QK:
-        raise ValueError(f"quantize_fp8_ds_mla: last dim must be {D_QK}, got {tuple(kv.shape)}")
-    if not kv.is_floating_point():
-        raise TypeError(f"quantize_fp8_ds_mla: expected a float tensor, got {kv.dtype}")
-    lead = kv.shape[:-1]
-    x = kv.reshape(-1, D_QK).float()
-    nope = x[:, :D_NOPE].reshape(-1, FP8_GROUPS, FP8_GROUP)
-    amax = nope.abs().amax(dim=-1).clamp_min(FP8_AMAX_FLOOR)  # [n, 4]
-    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))  # power of two, scale*448 >= amax
-    fp8 = (nope / scale[..., None]).to(torch.float8_e4m3fn).reshape(-1, D_NOPE)
-    rope = x[:, D_NOPE:].to(torch.bfloat16)
-    packed = torch.cat([fp8.view(torch.uint8), scale.contiguous().view(torch.uint8),
-                        rope.contiguous().view(torch.uint8)], dim=-1)
-    return packed.reshape(*lead, FP8_TOKEN_BYTES)
-
-
-def dequantize_fp8_ds_mla(cache: torch.Tensor) -> torch.Tensor:
-    """Unpack fp8_ds_mla tokens uint8 [..., 656] into float32 [..., 576] (exact)."""
-    if cache.dtype != torch.uint8 or cache.shape[-1] != FP8_TOKEN_BYTES:
-        raise ValueError(f"dequantize_fp8_ds_mla: expected uint8 [..., {FP8_TOKEN_BYTES}], "
-                         f"got {cache.dtype} {tuple(cache.shape)}")
-    lead = cache.shape[:-1]
-    rows = cache.reshape(-1, FP8_TOKEN_BYTES).contiguous()
-    fp8 = rows[:, :D_NOPE].view(torch.float8_e4m3fn).float().reshape(-1, FP8_GROUPS, FP8_GROUP)
-    scale = rows[:, FP8_SCALE_OFFSET:FP8_ROPE_OFFSET].contiguous().view(torch.float32)
-    rope = rows[:, FP8_ROPE_OFFSET:].contiguous().view(torch.bfloat16).float()
-    nope = (fp8 * scale[..., None]).reshape(-1, D_NOPE)
-    return torch.cat([nope, rope], dim=-1).reshape(*lead, D_QK)
-
-
-# --------------------------------------------------------------------------------------
-# references (float32, readable; the tests' ground truth)
-# --------------------------------------------------------------------------------------
-
-def _attend_reference(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, sm_scale: float,
-                      d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [s_q, h, 576], k [s_q, topk, 576] (the gathered keys), valid [s_q, topk] bool."""
-    k = torch.where(valid[..., None], k.float(), 0.0)  # invalid rows never contribute (even NaN)
-    logits = torch.einsum("shd,std->sht", q.float(), k) * sm_scale
-    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)  # -inf where nothing is valid
-    probs = torch.exp(logits - lse[..., None]).nan_to_num(0.0)  # rows with no valid index: 0
-    out = torch.einsum("sht,std->shd", probs, k[..., :d_v])
-    lse = torch.where(torch.isneginf(lse), float("inf"), lse)
-    return out, lse
-
-
-def reference_sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
-                         sm_scale: float, d_v: int = D_NOPE) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse MLA in float32 with torch: (out [s_q, h_q, d_v] float32, lse [s_q, h_q] float32)."""
-    _check_common(_query_halves(q)[0], indices, d_v)  # references: q [s_q, h_q, 576]
-    _check_bf16_kv(kv, q)
-    s_kv = kv.shape[0]
-    idx = indices[:, 0, :].long()
-    valid = (idx >= 0) & (idx < s_kv)
-    k = kv[:, 0, :][idx.clamp(0, max(s_kv - 1, 0))] if s_kv else q.new_zeros(*idx.shape, D_QK)
-    return _attend_reference(q, k, valid, sm_scale, d_v)
-
-
-def reference_sparse_mla_fp8(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
-                             sm_scale: float, d_v: int = D_NOPE) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse MLA over an fp8_ds_mla cache, in float32 with torch (dequantise, then attend)."""
-    _check_common(_query_halves(q)[0], indices, d_v)  # references: q [s_q, h_q, 576]
-    rows = _fp8_rows(kv_cache, q)
-    n_slots = rows.shape[0]
-    idx = indices[:, 0, :].long()
-    valid = (idx >= 0) & (idx < n_slots)
-    k = dequantize_fp8_ds_mla(rows[idx.clamp(0, max(n_slots - 1, 0))])
-    return _attend_reference(q, k, valid, sm_scale, d_v)
-
-
-def quantize_fp8_e4m3(kv: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, float]:
-    """A plain fp8 cache of kv [..., 576]: (float8_e4m3fn values x, scale), kv ~ x * scale.
-
-    One scale for the whole cache (vLLM's per-layer k_scale), by default amax / 448."""
-    if scale is None:
-        scale = max(float(kv.float().abs().nan_to_num(0.0).amax()), FP8_AMAX_FLOOR) / FP8_MAX
-    return (kv.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
-
-
-def reference_sparse_mla_fp8_e4m3(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
-                                  sm_scale: float, kv_scale: float,
-                                  d_v: int = D_NOPE) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse MLA over a plain fp8 cache [s_kv, 1, 576], in float32 (dequantise, then attend)."""
-    _check_common(_query_halves(q)[0], indices, d_v)  # references: q [s_q, h_q, 576]
-    kv = kv_cache.view(torch.float8_e4m3fn).reshape(-1, 1, D_QK).float() * float(kv_scale)
-    s_kv = kv.shape[0]
-    idx = indices[:, 0, :].long()
-    valid = (idx >= 0) & (idx < s_kv)
-    k = kv[:, 0, :][idx.clamp(0, max(s_kv - 1, 0))] if s_kv else q.new_zeros(*idx.shape, D_QK)
-    return _attend_reference(q, k, valid, sm_scale, d_v)
 
 
 # --------------------------------------------------------------------------------------
@@ -730,94 +624,6 @@ def choose_num_splits(s_q: int, n_head_blocks: int, topk: int, block_n: int, num
     wanted = max(1, math.ceil(fill) if round_up else math.floor(fill))
     most = min(MAX_SPLITS, max(1, topk // max(min_split_tokens, block_n)))
     return 1 << (min(wanted, most).bit_length() - 1)
-
-
-def sm120_compile_specs(configs: list[tuple[str, KernelConfig]] | None = None,
-                        merge: bool = True) -> list[dict]:
-    """Everything the launcher can launch, as arguments of sm120.compile_for_sm120.
-
-    Each config in CONFIGS (or `configs`: (cache dtype, config) pairs) for its cache dtype
-    (an fp8 config for fp8_ds_mla and for a plain fp8 cache) and both output modes, plus the
-    merge kernel, with the specialisations Triton's JIT makes
-    at a typical launch (contiguous last dims are stride 1, token strides and pointers
-    divisible by 16).
-    """
-    specs = []
-    for dtype, cfg in configs or [*((dtype, cfg) for (dtype, _), cfg in CONFIGS.items()), ("fp8", GLUON_FP8)]:
-        fp8 = dtype == "fp8"
-        if cfg.gluon:
-            specs.extend(_gluon_specs(cfg))
-            continue
-        for partial, rope_e4m3, trim in [(p, r, t) for p in (False, True) for r in ((False, True) if fp8 else (False,))
-                                         for t in ((False, True) if cfg.trim_tail else (False,))]:
-            signature = {
-                "Q": "*bf16", "stride_q_tok": "i32", "stride_q_head": "i32",
-                "Q_ROPE": "*bf16", "stride_qr_tok": "i32", "stride_qr_head": "i32",
-                "KV": "*u8" if fp8 else "*bf16", "stride_kv_tok": "i32", "n_slots": "i32",
-                "IDX": "*i32", "stride_idx_tok": "i32",
-                "OUT": "*fp32" if partial else "*bf16", "stride_out_tok": "i32",
-                "stride_out_split": "i32", "stride_out_head": "i32",
-                "LSE": "*fp32", "stride_lse_tok": "i32", "stride_lse_split": "i32",
-                "stride_lse_head": "i32", "h_q": "i32", "topk": "i32", "tokens_per_split": "i32",
-                "n_split": "i32", "n_head_blocks": "i32", "qk_scale_log2": "fp32",
-                "KV_SCALE": "*fp32",
-            }
-            constexprs = {"stride_q_dim": 1, "stride_qr_dim": 1, "stride_idx_k": 1, "BLOCK_H": cfg.block_h,
-                          "BLOCK_N": cfg.block_n, "FP8": fp8, "ROPE_E4M3": rope_e4m3, "PARTIAL": partial,
-                          "SCALE_LOGITS": cfg.scale_logits,
-                          "DOT_F32": False, "TRIM_TAIL": trim, "LAZY_RESCALE": cfg.lazy_rescale,
-                          "PDL": True, "PREFETCH_IDX": cfg.prefetch_idx}  # SM12x launches with PDL (_pdl)
-            aligned = ["Q", "Q_ROPE", "KV", "IDX", "OUT", "LSE", "stride_q_tok", "stride_q_head",
-                       "stride_qr_tok", "stride_qr_head",
-                       "stride_kv_tok", "stride_out_tok", "stride_out_head"]
-            specs.append({"fn": _sparse_mla_kernel, "signature": signature, "constexprs": constexprs,
-                          "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "aligned": aligned,
-                          "maxnreg": cfg.sm12x_maxnreg})
-    merge_sig = {"PART_OUT": "*fp32", "stride_po_tok": "i32", "stride_po_split": "i32",
-                 "stride_po_head": "i32", "PART_LSE": "*fp32", "stride_pl_tok": "i32",
-                 "stride_pl_split": "i32", "stride_pl_head": "i32", "OUT": "*bf16",
-                 "stride_out_tok": "i32", "stride_out_head": "i32", "LSE": "*fp32",
-                 "stride_lse_tok": "i32", "stride_lse_head": "i32", "h_q": "i32", "n_split": "i32"}
-    merges = [(block_split, block_d) for block_split in (2, 4, 8, 16, 32, 64, 128) for block_d in MERGE_BLOCK_DS
-              if block_split <= 64 or block_d == 32]  # _merge_block_d's choices
-    for block_split, block_d in merges if merge else ():  # next_power_of_2(num_splits)
-        specs.append({"fn": _merge_splits_kernel, "signature": merge_sig,
-                      "constexprs": {"BLOCK_SPLIT": block_split, "PDL": True, "BLOCK_D": block_d},
-                      "num_warps": MERGE_NUM_WARPS,
-                      "num_stages": 1, "aligned": ["PART_OUT", "OUT", "LSE", "PART_LSE"]})
-    if merge:  # and the fp8_ds_mla prefill workspace's two kernels (attend_prefill_fp8_ds_mla)
-        specs.append({"fn": _fp8_ds_mla_context_kernel,
-                      "signature": {"ROWS": "*u8", "stride_row": "i32", "BLOCK_TABLE": "*i32", "stride_bt": "i32",
-                                    "SEQ_LENS": "*i32", "rows_per_block": "i32", "OUT": "*bf16", "stride_out": "i32",
-                                    "seg_rows": "i32"},
-                      "constexprs": {"BLOCK_R": CONTEXT_BLOCK_R, "PAGE": FP8_BLOCK_SIZE}, "num_warps": 4,
-                      "num_stages": 1,
-                      "aligned": ["ROWS", "stride_row", "BLOCK_TABLE", "SEQ_LENS", "OUT", "stride_out"]})
-        specs.append({"fn": _workspace_rows_kernel,
-                      "signature": {"POS": "*i32", "stride_pos": "i32", "SEG_OF_TOKEN": "*i32", "SEQ_LENS": "*i32",
-                                    "OUT": "*i32", "topk": "i32", "seg_rows": "i32"},
-                      "constexprs": {"BLOCK_K": WS_ROWS_BLOCK_K}, "num_warps": 4, "num_stages": 1,
-                      "aligned": ["POS", "stride_pos", "SEG_OF_TOKEN", "SEQ_LENS", "OUT", "topk"]})
-    return specs
-
-
-def _gluon_specs(cfg: KernelConfig) -> list[dict]:
-    """The Gluon fp8_ds_mla kernel's launches, as sm120_compile_specs gives them: final and partial,
-    untrimmed and trimmed."""
-    from . import sparse_mla_gluon as glu
-
-    signature = {n: "i32" for n in glu.sparse_mla_fp8_grouped.arg_names}
-    signature.update({"Q": "*bf16", "Q_ROPE": "*bf16", "KV": "*u8", "KVH": "*bf16", "KVF": "*fp32",
-                      "IDX": "*i32", "LSE": "*fp32", "qk_scale_log2": "fp32"})
-    for name in ("BLOCK_N", "STAGES", "PARTIAL", "TRIM_TAIL", "num_warps", "PAD_KB"):
-        del signature[name]
-    aligned = ["Q", "Q_ROPE", "KV", "KVH", "KVF", "IDX", "OUT", "LSE", "stride_q_tok", "stride_q_head",
-               "stride_qr_tok", "stride_qr_head", "stride_kv_tok", "stride_out_tok", "stride_out_head"]
-    return [{"fn": glu.sparse_mla_fp8_grouped, "signature": {**signature, "OUT": "*fp32" if partial else "*bf16"},
-             "constexprs": {"BLOCK_N": cfg.block_n, "STAGES": cfg.num_stages, "PARTIAL": partial, "TRIM_TAIL": trim,
-                            "PAD_KB": 0},
-             "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "aligned": aligned, "maxnreg": cfg.sm12x_maxnreg}
-            for partial in (False, True) for trim in (False, True)]
 
 
 @functools.cache

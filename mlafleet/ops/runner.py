@@ -846,7 +846,7 @@ def run_playbook(command: str, inventories: list[Path], extravars: dict[str, Any
     out.write(text)
     out.write(f"report: {report_dir / 'run.json'}, summary: {report_dir / 'summary.txt'}\n")
     # perf gate / rollout report: the HTML again, now with run.json's statuses and causes.
-    from mlafleet.ops.report import render_quietly
+    from ansible_collections.mlafleet.fleet.plugins.plugin_utils.report import render_quietly
 
     out.write(f"rollout report: {render_quietly(report_dir)}\n")
     _private_tree(pdd, report_dir)

@@ -6,7 +6,8 @@ Everything for one vLLM release lives in `files/vllm/<version>/`:
   `other_wheels`, further distributions installed beside vLLM whose files the set edits too
   ({distribution, version, filename, sha256} each, e.g. vllm-gguf-plugin), and `ship`, modules
   of this repository copied in at build time, `{src: mlafleet/<dir>/<mod>.py, dest: <path>.py}` (our
-  kernels go to `vllm/third_party/mlafleet_kernels/`, which then gets an `__init__.py`);
+  kernels, and what both lines' backend and indexer share, go to `vllm/third_party/mlafleet_kernels/`,
+  which then gets an `__init__.py`);
 - `edits/<name>.yml`: `target` (a path inside site-packages, in exactly one of the pinned
   wheels) and `edits`, each with `why`, `anchor` (a Python regex, re.MULTILINE, that must match
   the current text exactly once), `action` (insert_after | insert_before | replace), `text`, and
@@ -51,7 +52,8 @@ DEFAULT_BUILD_DIR = REPO_ROOT / "build" / "patchset"
 ACTIONS = ("insert_after", "insert_before", "replace")
 KERNELS_PACKAGE = "vllm/third_party/mlafleet_kernels"
 KERNELS_INIT = (
-    '"""mlafleet\'s Triton kernels, shipped into the vLLM tree by the mlafleet patch set.\n\n'
+    '"""mlafleet\'s Triton kernels, and the parts of TRITON_MLA_SPARSE and the DSA indexer\'s dispatch that\n'
+    "every vLLM line shares, shipped into the vLLM tree by the mlafleet patch set.\n\n"
     "Source of truth: the mlafleet repository, mlafleet/kernels/.\n"
     '"""\n'
 )

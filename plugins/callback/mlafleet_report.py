@@ -6,11 +6,11 @@ rollout` (ansible-runner, which keeps ansible.cfg's callbacks) write the same re
 only for mlafleet runs: once the run id is known (the extra variable mlafleet_run, or the
 mlafleet_run_id fact that playbooks/release.yml sets on the controller). At the end of the
 playbook (also when every host failed, when later plays never start) it writes the timeline
-and renders the HTML report with mlafleet.ops.report from the JSON in the run's report directory.
+and renders the HTML report from the JSON in the run's report directory with the collection's
+plugin_utils/report.py (which `mlafleet report` runs too).
 
 Enabled in the checkout's ansible.cfg; with the installed collection, enable it by its full name
-(`callbacks_enabled = mlafleet.fleet.mlafleet_report`). The collection carries the two modules of
-the mlafleet package it runs (mlafleet/ops/report.py and its template), so it needs no checkout.
+(`callbacks_enabled = mlafleet.fleet.mlafleet_report`): it needs no checkout.
 While the run lasts it keeps timeline.json up to date (at every play, and every few seconds as
 tasks end), so a run that is killed (Ctrl-C: ansible-runner's cancel kills ansible-playbook)
 still leaves what ran until then for `mlafleet rollout` to render. Its files are 0600 in a 0700
@@ -36,15 +36,12 @@ requirements:
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 from ansible.plugins.callback import CallbackBase
 from ansible_collections.mlafleet.fleet.plugins.plugin_utils.report_dir import report_root
 
-# The collection's root: the checkout, or the installed collection, which carries mlafleet/ops/report.py.
-REPO = Path(__file__).resolve().parents[2]
 # Seconds between two saves of the timeline while the run lasts.
 SAVE_EVERY_S = 3.0
 
@@ -183,9 +180,7 @@ class CallbackModule(CallbackBase):
         if report_dir is None:
             return
         try:
-            if str(REPO) not in sys.path:
-                sys.path.insert(0, str(REPO))  # ansible-playbook from outside the controller venv, or installed
-            from mlafleet.ops.report import render
+            from ansible_collections.mlafleet.fleet.plugins.plugin_utils.report import render
 
             path = render(report_dir)
             self._display.display(f"rollout report: {path}")

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mlafleet.kernels.sm120 import SM120_MAX_SHARED_BYTES
+from sm120 import SM120_MAX_SHARED_BYTES
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -21,6 +21,7 @@ import pytest  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from mlafleet.kernels import indexer as ix  # noqa: E402
+from oracles import mqa_logits_reference, paged_mqa_logits_reference, top_k_per_row_reference  # noqa: E402
 
 if not torch.cuda.is_available() and not isinstance(ix._mqa_logits_kernel, InterpretedFunction):
     raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set and there is no GPU: "
@@ -121,7 +122,7 @@ def test_mqa_logits_ragged_causal_ranges(heads: int, clean: bool) -> None:
     w = random_weights(gen, m, heads)
     out = ix.mqa_logits(q, k, k_scale, w, ks, ke, clean_logits=clean)
     assert out.shape == (m, n) and out.dtype == torch.float32
-    assert_logits_match(out, ix.mqa_logits_reference(q, k, k_scale, w, ks, ke), clean)
+    assert_logits_match(out, mqa_logits_reference(q, k, k_scale, w, ks, ke), clean)
 
 
 def test_mqa_logits_empty_and_edge_ranges_and_splits() -> None:
@@ -133,7 +134,7 @@ def test_mqa_logits_empty_and_edge_ranges_and_splits() -> None:
     q = random_q(gen, (m, heads, D))
     k, k_scale = random_k(gen, n)
     w = random_weights(gen, m, heads)
-    ref = ix.mqa_logits_reference(q, k, k_scale, w, ks, ke)
+    ref = mqa_logits_reference(q, k, k_scale, w, ks, ke)
     for splits in (1, 3):
         out = ix.mqa_logits(q, k, k_scale, w, ks, ke, clean_logits=True, num_splits=splits)
         assert_logits_match(out, ref, clean=True)
@@ -151,7 +152,7 @@ def test_mqa_logits_non_contiguous_views() -> None:
     ks = torch.zeros(m, dtype=torch.int32)
     ke = torch.tensor([90, 1, 45, 89, 60], dtype=torch.int32)
     out = ix.mqa_logits(q, k, k_scale, w, ks, ke, clean_logits=True)
-    assert_logits_match(out, ix.mqa_logits_reference(q, k, k_scale, w, ks, ke), clean=True)
+    assert_logits_match(out, mqa_logits_reference(q, k, k_scale, w, ks, ke), clean=True)
     # rows padded to LOGITS_ROW_ALIGN floats (one specialisation of the stride, whatever n is),
     # and the top-k reads them through that stride
     assert out.shape == (m, n) and out.stride() == (96, 1)
@@ -165,7 +166,7 @@ def test_mqa_logits_reference_is_the_deepgemm_formula() -> None:
     k = torch.zeros((1, D))
     k[0, 0] = 3.0
     w = torch.tensor([[0.5, 7.0]])
-    out = ix.mqa_logits_reference(q.to(ix.FP8), k.to(ix.FP8), torch.tensor([0.25]), w,
+    out = mqa_logits_reference(q.to(ix.FP8), k.to(ix.FP8), torch.tensor([0.25]), w,
                                   torch.tensor([0], dtype=torch.int32), torch.tensor([1], dtype=torch.int32))
     # head 0: relu(6) * 0.5 = 3; head 1: relu(-3) * 7 = 0; times scale 0.25
     assert out.item() == pytest.approx(0.75)
@@ -184,14 +185,14 @@ def test_paged_mqa_logits_block_table_indirection(heads: int) -> None:
     q = random_q(gen, (b, 1, heads, D))
     w = random_weights(gen, b, heads)
     ctx = torch.tensor(lens, dtype=torch.int32)[:, None]    # vLLM 0.20.2 passes [B, next_n]
-    ref = ix.paged_mqa_logits_reference(q, cache, w, ctx, table, 256)
+    ref = paged_mqa_logits_reference(q, cache, w, ctx, table, 256)
     for clean in (True, False):
         out = ix.paged_mqa_logits(q, cache.unsqueeze(-2), w, ctx, table, 256, clean_logits=clean)
         assert out.shape == (b, 256)
         assert_logits_match(out, ref, clean)
     # the reference reads the layout the plain way: row 3 equals prefill logits on the request's own keys
     first = sum(lens[:3])
-    own = ix.mqa_logits_reference(q[3:4, 0], k[first:first + 200], k_scale[first:first + 200], w[3:4],
+    own = mqa_logits_reference(q[3:4, 0], k[first:first + 200], k_scale[first:first + 200], w[3:4],
                                   torch.tensor([0], dtype=torch.int32), torch.tensor([200], dtype=torch.int32))
     torch.testing.assert_close(ref[3:4, :200], own)
 
@@ -208,7 +209,7 @@ def test_paged_mqa_logits_next_n(ctx_2d: bool) -> None:
     per_req = torch.tensor(lens, dtype=torch.int32)
     # per token: token j of the last next_n sees L - next_n + j + 1 keys
     ctx = torch.stack([per_req - 1, per_req], dim=1).to(torch.int32) if ctx_2d else per_req
-    ref = ix.paged_mqa_logits_reference(q, cache, w, ctx, table, 192)
+    ref = paged_mqa_logits_reference(q, cache, w, ctx, table, 192)
     assert torch.isfinite(ref).sum(dim=1).tolist() == [2, 3, 128, 129, 69, 70]
     out = ix.paged_mqa_logits(q, cache, w, ctx, table, 192, clean_logits=True, num_splits=2)
     assert_logits_match(out, ref, clean=True)
@@ -223,7 +224,7 @@ def test_paged_mqa_logits_empty_context_row() -> None:
     w = random_weights(gen, 2, 32)
     out = ix.paged_mqa_logits(q, cache, w, torch.tensor(lens, dtype=torch.int32), table, 128, clean_logits=True)
     assert (out[0] == NEG_INF).all()
-    assert_logits_match(out[1:], ix.paged_mqa_logits_reference(q, cache, w, torch.tensor(lens, dtype=torch.int32),
+    assert_logits_match(out[1:], paged_mqa_logits_reference(q, cache, w, torch.tensor(lens, dtype=torch.int32),
                                                               table, 128)[1:], clean=True)
 
 
@@ -252,7 +253,7 @@ def test_top_k_per_row_ranges_short_rows_and_fill(impl: str) -> None:
     inside = (cols[None] >= starts[:, None].long()) & (cols[None] < ends[:, None].long())
     logits = torch.where(inside, logits, garbage)
     out = TOPK_IMPLS[impl](logits, starts, ends, topk)
-    want = ix.top_k_per_row_reference(logits, starts, ends, topk)
+    want = top_k_per_row_reference(logits, starts, ends, topk)
     for r in range(rows):
         got = out[r].tolist()
         valid = [i for i in got if i != -1]
@@ -270,7 +271,7 @@ def test_top_k_per_row_decode_rows_more_topk_than_columns(impl: str) -> None:
     assert ends.tolist() == [39, 40, 4, 5, 11, 12]
     out = torch.full((8, 64), 99, dtype=torch.int32)                 # a larger buffer, as vLLM's
     TOPK_IMPLS[impl](logits, None, ends, 64, out=out[:6])
-    want = ix.top_k_per_row_reference(logits, None, ends, 64)
+    want = top_k_per_row_reference(logits, None, ends, 64)
     for r in range(6):
         assert {i for i in out[r].tolist() if i != -1} == want[r]
         assert (out[r] == -1).sum() == 64 - int(ends[r])
@@ -289,7 +290,7 @@ def test_decode_pipeline_topk_2048_at_real_size() -> None:
     ctx = torch.tensor(lens, dtype=torch.int32)[:, None]
     logits = ix.paged_mqa_logits(q, cache, w, ctx, table, 4096, clean_logits=False)
     idx = ix.top_k_per_row(logits, None, ix.decode_row_ends(ctx, 1), topk)
-    ref = ix.paged_mqa_logits_reference(q, cache, w, ctx, table, 4096).double()
+    ref = paged_mqa_logits_reference(q, cache, w, ctx, table, 4096).double()
     chosen = idx[0].long()
     assert (chosen >= 0).all() and chosen.unique().numel() == topk
     rest = torch.ones(3000, dtype=torch.bool)
@@ -326,7 +327,7 @@ def test_triton_top_k_radix_select_exact(splits: int) -> None:
     starts = torch.tensor([0, 1, 50, 0], dtype=torch.int32)
     ends = torch.tensor([9000, 8999, 9000, 8001], dtype=torch.int32)
     out = ix.top_k_per_row(logits, starts, ends, topk, splits=splits)
-    want = ix.top_k_per_row_reference(logits, starts, ends, topk)
+    want = top_k_per_row_reference(logits, starts, ends, topk)
     for r in range(rows):
         assert_is_a_top_k(out[r].tolist(), logits[r, int(starts[r]):int(ends[r])], topk)
         if splits == 1:
@@ -400,7 +401,7 @@ def test_triton_top_k_one_block_rows_exact(one_block: bool, early_stop: bool) ->
     starts = torch.tensor([0, 3, 96, 0, 1000], dtype=torch.int32)
     ends = torch.tensor([4096, 4000, 4096, 2049, 3049], dtype=torch.int32)  # 2049: one to drop; 2049 again
     out = ix.top_k_per_row(logits, starts, ends, topk, one_block=one_block, early_stop=early_stop)
-    want = ix.top_k_per_row_reference(logits, starts, ends, topk)
+    want = top_k_per_row_reference(logits, starts, ends, topk)
     for r in range(rows):
         assert set(out[r].tolist()) == want[r], f"row {r}"
         assert_is_a_top_k(out[r].tolist(), logits[r, int(starts[r]):int(ends[r])], topk)
@@ -419,7 +420,7 @@ def test_triton_top_k_early_stop_at_every_pass(topk: int) -> None:
             torch.where(torch.arange(n) % 2 == 0, torch.tensor(0.5), torch.randn(n, generator=gen))]  # ties
     logits = torch.stack(rows)
     ends = torch.full((len(rows),), n, dtype=torch.int32)
-    want = ix.top_k_per_row_reference(logits, None, ends, topk)
+    want = top_k_per_row_reference(logits, None, ends, topk)
     for early_stop in (True, False):
         out = ix.top_k_per_row(logits, None, ends, topk, one_block=True, early_stop=early_stop)
         for r in range(len(rows)):
@@ -439,7 +440,7 @@ def test_triton_top_k_short_ranges_of_long_rows() -> None:
     logits = torch.randn((len(starts), n), generator=gen)
     logits[3, 4100:6000] = 0.5                                          # ties across the k-th, short range
     logits[4, 200:7000] = 0.5                                           # the same in a long range (8097)
-    want = ix.top_k_per_row_reference(logits, starts, ends, topk)
+    want = top_k_per_row_reference(logits, starts, ends, topk)
     for one_block in (None, False):  # None: short ranges at run time; False: all streaming
         out = ix.top_k_per_row(logits, starts, ends, topk, one_block=one_block)
         for r in range(len(starts)):

@@ -26,7 +26,7 @@ PAGED = [{"heads": h, "next_n": n, "clean": c, "ctx_2d": not c} for h in (32, 64
 SCRIPT = r'''
 import json, sys
 from mlafleet.kernels import indexer as ix
-from mlafleet.kernels.sm120 import compile_for_sm120
+from sm120 import compile_for_sm120  # tests/kernels/sm120.py
 
 PREFILL_SIG = {
     "q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv", "ks_ptr": "*i32", "ke_ptr": "*i32", "scale_ptr": "*fp32",
@@ -108,7 +108,7 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def reports() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(Path(__file__).parent), env.get("PYTHONPATH", "")])
     result = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps({"prefill": PREFILL, "paged": PAGED, "topk": TOPK})],
                             capture_output=True, text=True, env=env, cwd=REPO, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -25,7 +25,7 @@ from vllm.v1.attention.ops import mlafleet_indexer as mi
 from vllm.model_executor.layers import sparse_attn_indexer as sai
 from vllm.v1.attention.backends.mla import indexer as meta
 from vllm.model_executor.layers.sparse_attn_indexer import kv_cache_as_quant_view
-from vllm.third_party.mlafleet_kernels import indexer as kern
+import oracles  # tests/kernels/oracles.py: the float64 references
 
 out = {"vllm_file": sai.__file__}
 use = mi.use_deepgemm_free_indexer
@@ -76,13 +76,13 @@ mi.deepgemm_free_indexer_active = lambda: True      # what a (12, 0) device deci
 mi._topk_impl = lambda: "triton"                      # what (12, 0) chooses
 logits = sai.fp8_fp4_mqa_logits((q, None), (k, k_scale_bytes.view(torch.float32).squeeze(-1)), w, ks, ke,
                                 clean_logits=False)
-ref = kern.mqa_logits_reference(q, k, k_scale_bytes.view(torch.float32).squeeze(-1), w, ks, ke)
+ref = oracles.mqa_logits_reference(q, k, k_scale_bytes.view(torch.float32).squeeze(-1), w, ks, ke)
 inside = torch.isfinite(ref)
 out["prefill_err"] = float(((logits - ref)[inside]).abs().max() / ref[inside].abs().max())
 buf = torch.full((8, 64), 7, dtype=torch.int32)
 view = buf[:5, :topk]
 mi.top_k_per_row_prefill(logits, ks, ke, view, 5, logits.stride(0), logits.stride(1), topk)
-want = kern.top_k_per_row_reference(ref, ks, ke, topk)
+want = oracles.top_k_per_row_reference(ref, ks, ke, topk)
 out["prefill_topk_ok"] = all({i for i in view[r].tolist() if i != -1} == want[r] for r in range(5))
 out["prefill_topk_fill"] = [int((view[r] == -1).sum()) for r in range(5)]
 out["buffer_untouched"] = bool((buf[:, topk:] == 7).all() and (buf[5:] == 7).all())
@@ -103,13 +103,13 @@ qd, wd = fp8((2, 1, H, D)), torch.randn((2, H), generator=g)
 kv4 = kv_cache_as_quant_view(cache, D, False)
 logits = sai.fp8_fp4_paged_mqa_logits((qd, None), kv4, wd, lens, table, torch.empty((1, 2)), max_model_len=256,
                                       clean_logits=False)
-ref = kern.paged_mqa_logits_reference(qd, cache, wd, lens, table, 256)
+ref = oracles.paged_mqa_logits_reference(qd, cache, wd, lens, table, 256)
 inside = torch.isfinite(ref)
 out["decode_shape"] = list(logits.shape)
 out["decode_err"] = float(((logits - ref)[inside]).abs().max() / ref[inside].abs().max())
 idx = torch.full((2, topk), 9, dtype=torch.int32)
 mi.persistent_topk(logits, lens, idx, torch.empty(16, dtype=torch.uint8), topk, 100)
-want = kern.top_k_per_row_reference(ref, None, lens.reshape(-1), topk)
+want = oracles.top_k_per_row_reference(ref, None, lens.reshape(-1), topk)
 out["decode_topk_ok"] = all({i for i in idx[r].tolist() if i != -1} == want[r] for r in range(2))
 out["decode_topk_fill"] = [int((idx[r] == -1).sum()) for r in range(2)]
 
@@ -149,10 +149,10 @@ sai.current_workspace_manager = lambda: SimpleNamespace(get_simultaneous=lambda 
 buffer = torch.full((8, topk), 5, dtype=torch.int32)
 sai.sparse_attn_indexer(torch.empty((T, 16)), "layer.indexer", cache, q_all, None, torch.empty((T, D)), w_all,
                         128, "ue8m0", topk, D, 256, 64, buffer, True, False)
-ref_dec = kern.paged_mqa_logits_reference(q_all[:2, None], cache, w_all[:2], lens, table, 256)
-want = kern.top_k_per_row_reference(ref_dec, None, lens.reshape(-1), topk)
-ref_pre = kern.mqa_logits_reference(q_all[2:], kp, kp_scale, w_all[2:], chunk.cu_seqlen_ks, chunk.cu_seqlen_ke)
-want += kern.top_k_per_row_reference(ref_pre, chunk.cu_seqlen_ks, chunk.cu_seqlen_ke, topk)
+ref_dec = oracles.paged_mqa_logits_reference(q_all[:2, None], cache, w_all[:2], lens, table, 256)
+want = oracles.top_k_per_row_reference(ref_dec, None, lens.reshape(-1), topk)
+ref_pre = oracles.mqa_logits_reference(q_all[2:], kp, kp_scale, w_all[2:], chunk.cu_seqlen_ks, chunk.cu_seqlen_ke)
+want += oracles.top_k_per_row_reference(ref_pre, chunk.cu_seqlen_ks, chunk.cu_seqlen_ke, topk)
 out["e2e_topk_ok"] = [{i for i in buffer[r].tolist() if i != -1} == want[r] for r in range(T)]
 out["e2e_fill"] = [int((buffer[r] == -1).sum()) for r in range(T)]
 out["e2e_rest_reset"] = buffer[T:].tolist() == [[-1] * topk] * 3
@@ -163,7 +163,7 @@ print(json.dumps(out))
 def test_patched_vllm_routes_the_indexer(vllm_python: str, vllm_overlay: Path, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLAFLEET_INDEXER_FALLBACK",
                                                          "MLAFLEET_INDEXER_TOPK")}
-    env.update({"PYTHONPATH": str(vllm_overlay), "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
+    env.update({"PYTHONPATH": os.pathsep.join([str(vllm_overlay), str(Path(__file__).parent)]), "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
                 "VLLM_CACHE_ROOT": str(tmp_path / "cache"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
                 "HF_HUB_OFFLINE": "1"})
     result = subprocess.run([vllm_python, "-c", SCRIPT], capture_output=True, text=True, env=env,

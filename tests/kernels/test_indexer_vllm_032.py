@@ -24,7 +24,7 @@ from vllm.v1.attention.ops import mlafleet_indexer as mi
 from vllm.model_executor.layers import sparse_attn_indexer as sai
 from vllm.v1.attention.backends.mla import indexer as meta
 from vllm.model_executor.layers.sparse_attn_indexer import kv_cache_as_quant_view
-from vllm.third_party.mlafleet_kernels import indexer as kern
+import oracles  # tests/kernels/oracles.py: the float64 references
 
 out = {"vllm_file": sai.__file__}
 use = mi.use_deepgemm_free_indexer
@@ -93,10 +93,10 @@ sai.current_workspace_manager = lambda: SimpleNamespace(get_simultaneous=lambda 
 buffer = torch.full((8, topk), 5, dtype=torch.int32)
 sai.sparse_attn_indexer(torch.empty((T, 16)), "layer.indexer", cache, q_all, None, torch.empty((T, D)), w_all,
                         128, "ue8m0", topk, D, 256, 64, buffer, True, False, False, "")
-ref_dec = kern.paged_mqa_logits_reference(q_all[:2, None], cache, w_all[:2], lens, table, 256)
-want = kern.top_k_per_row_reference(ref_dec, None, lens.reshape(-1), topk)
-ref_pre = kern.mqa_logits_reference(q_all[2:], kp, kp_scale, w_all[2:], chunk.cu_seqlen_ks, chunk.cu_seqlen_ke)
-want += kern.top_k_per_row_reference(ref_pre, chunk.cu_seqlen_ks, chunk.cu_seqlen_ke, topk)
+ref_dec = oracles.paged_mqa_logits_reference(q_all[:2, None], cache, w_all[:2], lens, table, 256)
+want = oracles.top_k_per_row_reference(ref_dec, None, lens.reshape(-1), topk)
+ref_pre = oracles.mqa_logits_reference(q_all[2:], kp, kp_scale, w_all[2:], chunk.cu_seqlen_ks, chunk.cu_seqlen_ke)
+want += oracles.top_k_per_row_reference(ref_pre, chunk.cu_seqlen_ks, chunk.cu_seqlen_ke, topk)
 out["e2e_topk_ok"] = [{i for i in buffer[r].tolist() if i != -1} == want[r] for r in range(T)]
 out["e2e_fill"] = [int((buffer[r] == -1).sum()) for r in range(T)]
 out["e2e_rest_untouched"] = buffer[T:].tolist() == [[5] * topk] * 3  # 0.32.0 clears its T rows only
@@ -114,7 +114,7 @@ print(json.dumps(out))
 def test_patched_vllm_032_routes_the_indexer(vllm_python_032: str, vllm_overlay_032: Path, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLAFLEET_INDEXER_FALLBACK",
                                                          "MLAFLEET_INDEXER_TOPK", "MLAFLEET_TRITON_SPARSE_MLA")}
-    env.update({"PYTHONPATH": str(vllm_overlay_032), "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
+    env.update({"PYTHONPATH": os.pathsep.join([str(vllm_overlay_032), str(Path(__file__).parent)]), "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
                 "VLLM_CACHE_ROOT": str(tmp_path / "cache"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
                 "HF_HUB_OFFLINE": "1"})
     result = subprocess.run([vllm_python_032, "-c", SCRIPT], capture_output=True, text=True, env=env,

@@ -1,4 +1,4 @@
-"""The SM120 static check itself: it must see both ways a kernel can fail on SM120."""
+"""The SM120 static check itself (sm120.py): it must see both ways a kernel can fail on SM120."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import triton
 import triton.language as tl
 
-from mlafleet.kernels.sm120 import SM120_MAX_SHARED_BYTES, compile_for_sm120
+from sm120 import SM120_MAX_SHARED_BYTES, compile_for_sm120
 
 
 @triton.jit
@@ -81,13 +81,12 @@ def test_a_second_process_reuses_the_compilation_and_the_ptxas_report(tmp_path) 
     import subprocess
     import sys
 
-    child = ("from mlafleet.kernels.sm120 import compile_for_sm120\n"
-             "from mlafleet.kernels.sparse_mla import sm120_compile_specs\n"
-             "spec = next(s for s in sm120_compile_specs() if len(s.get('aligned', ())) >= 3)\n"
+    child = ("from sm120 import compile_for_sm120, sparse_mla_specs\n"
+             "spec = next(s for s in sparse_mla_specs() if len(s.get('aligned', ())) >= 3)\n"
              "print(compile_for_sm120(**spec).registers)\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path / "triton"), MLAFLEET_CACHE=str(tmp_path / "mlafleet"),
-               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), *(p for p in sys.path if p)]))
 
     def entries() -> int:
         return sum(len(files) for _, _, files in os.walk(tmp_path))

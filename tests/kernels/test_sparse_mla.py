@@ -1,4 +1,4 @@
-"""Triton sparse-MLA kernels against the float32 torch references, on the CPU (interpreter).
+"""Triton sparse-MLA kernels against the float32 torch references (oracles.py), on the CPU (interpreter).
 
 Every cache row that no index names is NaN, so a kernel that reads a row it should not
 (padding, an invalid index, a masked tile) fails loudly. Shapes are small but each case of
@@ -22,15 +22,17 @@ from mlafleet.kernels.sparse_mla import (
     _merge_block_d,
     choose_config,
     choose_num_splits,
+    sparse_mla_fwd,
+    sparse_mla_fwd_fp8,
+    sparse_mla_fwd_fp8_e4m3,
+)
+from oracles import (
     dequantize_fp8_ds_mla,
     quantize_fp8_ds_mla,
     quantize_fp8_e4m3,
     reference_sparse_mla,
     reference_sparse_mla_fp8,
     reference_sparse_mla_fp8_e4m3,
-    sparse_mla_fwd,
-    sparse_mla_fwd_fp8,
-    sparse_mla_fwd_fp8_e4m3,
 )
 
 SCALE = 1.0 / math.sqrt(256)  # GLM-5's softmax scale

@@ -18,12 +18,10 @@ from mlafleet.kernels.sparse_mla import (
     PREFILL_WS_ROWS_PER_TOKEN,
     attend_prefill_fp8_ds_mla,
     dequantize_context_fp8_ds_mla,
-    dequantize_fp8_ds_mla,
     prefill_segment_rows,
-    quantize_fp8_ds_mla,
-    reference_sparse_mla_fp8,
     use_prefill_workspace,
 )
+from oracles import dequantize_fp8_ds_mla, quantize_fp8_ds_mla, reference_sparse_mla_fp8
 
 SCALE = 1.0 / math.sqrt(256)
 PAGE = 64

@@ -12,14 +12,13 @@ import sys
 
 import pytest
 
-from mlafleet.kernels.sm120 import SM120_MAX_SHARED_BYTES
-from mlafleet.kernels.sparse_mla import CONFIGS, sm120_compile_specs
+from mlafleet.kernels.sparse_mla import CONFIGS
+from sm120 import SM120_MAX_SHARED_BYTES, sparse_mla_specs
 
 CHILD = """
 import dataclasses, json
-from mlafleet.kernels.sm120 import compile_for_sm120
-from mlafleet.kernels.sparse_mla import sm120_compile_specs
-for spec in sm120_compile_specs():
+from sm120 import compile_for_sm120, sparse_mla_specs
+for spec in sparse_mla_specs():
     report = compile_for_sm120(**spec)
     print("REPORT", json.dumps({**dataclasses.asdict(report), "constexprs": spec["constexprs"]}))
 """
@@ -39,7 +38,7 @@ def reports() -> list[dict]:
 def test_every_config_is_compiled(reports: list[dict]) -> None:
     # each config for its cache dtype x {final, partial} (an fp8 config also for the plain
     # fp8 cache: ROPE_E4M3) x {untrimmed, trimmed key loop} where the config trims, and the merge kernel
-    assert len(reports) == len(sm120_compile_specs())
+    assert len(reports) == len(sparse_mla_specs())
     main = [r for r in reports if r["name"] == "_sparse_mla_kernel"]
     want = {(dtype, c.block_h, c.block_n, c.num_warps, c.num_stages, c.scale_logits, plain, partial, trim)
             for (dtype, _), c in CONFIGS.items() for plain in ((False, True) if dtype == "fp8" else (False,))

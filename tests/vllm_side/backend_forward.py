@@ -58,6 +58,9 @@ import torch  # noqa: E402
 from vllm.third_party.mlafleet_kernels import sparse_mla  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "kernels"))
+import oracles  # noqa: E402  (tests/kernels/oracles.py: the float32 references and the cache writers)
+
 torch.manual_seed(0)
 HEADS, TOPK, BLOCK, NUM_BLOCKS, SCALE = 8, 128, 64, 8, 0.0625
 seq_lens = [100, 70]
@@ -110,16 +113,16 @@ def run(kv_cache_dtype: str, cache: torch.Tensor, k_scale: float = 1.0, md=None)
     return out.float()
 
 
-ref, _ = sparse_mla.reference_sparse_mla(q, kv.view(-1, 1, 576), expected_slots, SCALE)
+ref, _ = oracles.reference_sparse_mla(q, kv.view(-1, 1, 576), expected_slots, SCALE)
 report["bf16_max_err"] = (run("auto", kv) - ref).abs().max().item()
-fp8 = sparse_mla.quantize_fp8_ds_mla(kv)  # uint8 [8, 64, 656]
-ref8, _ = sparse_mla.reference_sparse_mla_fp8(q, fp8.view(-1, 1, 656), expected_slots, SCALE)
+fp8 = oracles.quantize_fp8_ds_mla(kv)  # uint8 [8, 64, 656]
+ref8, _ = oracles.reference_sparse_mla_fp8(q, fp8.view(-1, 1, 656), expected_slots, SCALE)
 ds_mla = run("fp8_ds_mla", fp8)
 report["fp8_max_err"] = (ds_mla - ref8).abs().max().item()
 report["ref_max_abs"] = ref.abs().max().item()
 # plain "fp8" (vLLM's own sparse-MLA tests build impls with it): vLLM's plain fp8 MLA cache
-plain, k_scale = sparse_mla.quantize_fp8_e4m3(kv, scale=0.0125)
-ref_plain, _ = sparse_mla.reference_sparse_mla_fp8_e4m3(q, plain.view(-1, 1, 576), expected_slots, SCALE, k_scale)
+plain, k_scale = oracles.quantize_fp8_e4m3(kv, scale=0.0125)
+ref_plain, _ = oracles.reference_sparse_mla_fp8_e4m3(q, plain.view(-1, 1, 576), expected_slots, SCALE, k_scale)
 try:
     report["plain_fp8_max_err"] = (run("fp8", plain.view(torch.uint8), k_scale) - ref_plain).abs().max().item()
 except ValueError as exc:
@@ -137,7 +140,7 @@ ws = torch.full((2 * 128, 576), float("nan"), dtype=torch.bfloat16)
 ws_md = md_cls(**common, num_decodes=1, num_decode_tokens=3, num_prefills=1,
                seq_lens=torch.tensor(seq_lens, dtype=torch.int32), prefill_workspace=ws, prefill_seg_rows=128)
 report["fp8_workspace_max_err"] = (run("fp8_ds_mla", fp8, md=ws_md) - ref8).abs().max().item()
-ctx = sparse_mla.dequantize_fp8_ds_mla(fp8.view(-1, 656)[
+ctx = oracles.dequantize_fp8_ds_mla(fp8.view(-1, 656)[
     block_table[1, torch.arange(70) // BLOCK].long() * BLOCK + torch.arange(70) % BLOCK]).bfloat16()
 report["workspace_holds_context"] = bool(torch.equal(ws[:70], ctx)) and bool(ws[70:].isnan().all())
 # a bf16 cache ignores the workspace

@@ -17,98 +17,45 @@ Top-k on the DeepGEMM-free path, `topk_implementation(capability)`: vLLM's
 and 10.x, where vLLM ships them tested; never `persistent_topk`, whose shared-memory plan does
 not fit SM120), mlafleet's Triton radix select elsewhere. MLAFLEET_INDEXER_TOPK=vllm|triton|torch
 overrides the choice (torch: torch.topk, slower, runs wherever torch runs).
+
+What every line's dispatchers share (the switches, the decision for this device, the logits and
+the prefill top-k on either path) is `vllm.third_party.mlafleet_kernels.indexer_dispatch`,
+shipped beside the kernels; this file holds 0.20.2's rule and the entry points with 0.20.2's
+arguments (its decode top-k included).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-FALLBACK_ENV = "MLAFLEET_INDEXER_FALLBACK"
-TOPK_ENV = "MLAFLEET_INDEXER_TOPK"
-DEEPGEMM_MAJORS = (9, 10)
+from vllm.third_party.mlafleet_kernels import indexer_dispatch as dispatch
 
-
-def _forced() -> bool:
-    value = os.environ.get(FALLBACK_ENV, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{FALLBACK_ENV} must be 1 (force the DeepGEMM-free indexer) or 0/unset, got {value!r}")
-    return value == "1"
+VLLM_TOPK_MAJORS = dispatch.DEEPGEMM_MAJORS  # where 0.20.2 ships its top-k kernels tested
 
 
 def use_deepgemm_free_indexer(capability: tuple[int, int], deep_gemm_installed: bool = True) -> bool:
     """True when the DSA indexer must run without DeepGEMM on a device of this capability."""
-    if _forced() or not deep_gemm_installed:
+    if dispatch.forced() or not deep_gemm_installed:
         return True
-    return int(capability[0]) not in DEEPGEMM_MAJORS
-
-
-TOPK_IMPLEMENTATIONS = ("vllm", "triton", "torch")
+    return int(capability[0]) not in dispatch.DEEPGEMM_MAJORS
 
 
 def topk_implementation(capability: tuple[int, int]) -> str:
     """On the DeepGEMM-free path, whose top-k: 'vllm' (torch.ops._C), 'triton' or 'torch' (mlafleet)."""
-    value = os.environ.get(TOPK_ENV, "")
-    if value and value not in TOPK_IMPLEMENTATIONS:
-        raise ValueError(f"{TOPK_ENV} must be one of {', '.join(TOPK_IMPLEMENTATIONS)} (or unset), got {value!r}")
-    if value:
-        return value
-    return "vllm" if int(capability[0]) in DEEPGEMM_MAJORS else "triton"
-
-
-@functools.cache
-def _device_capability() -> tuple[int, int] | None:
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cuda():
-        return None  # ROCm, XPU and CPU keep their own indexer paths
-    cap = current_platform.get_device_capability()
-    return None if cap is None else (cap.major, cap.minor)
+    return dispatch.topk_implementation(capability, VLLM_TOPK_MAJORS)
 
 
 @functools.cache
 def deepgemm_free_indexer_active() -> bool:
-    """The decision for this process's device (False off CUDA)."""
-    from vllm.logger import init_logger
-    from vllm.utils.import_utils import has_deep_gemm
-
-    capability = _device_capability()
-    if capability is None:
-        return False
-    active = use_deepgemm_free_indexer(capability, has_deep_gemm())
-    if active:
-        init_logger(__name__).info(
-            "DSA indexer: DeepGEMM-free path (mlafleet Triton MQA logits, %s top-k) on compute capability %d.%d",
-            topk_implementation(capability), *capability)
-    return active
+    """The decision for this process's device (False off CUDA), logged once."""
+    return dispatch.decide(use_deepgemm_free_indexer, topk_implementation)
 
 
 @functools.cache
 def _topk_impl() -> str:
-    capability = _device_capability()
-    return "vllm" if capability is None else topk_implementation(capability)
-
-
-def _mlafleet_topk():
-    kernels = _kernels()
-    return kernels.top_k_per_row_torch if _topk_impl() == "torch" else kernels.top_k_per_row
-
-
-def _kernels():
-    from vllm.third_party.mlafleet_kernels import indexer
-
-    return indexer
-
-
-def _fp8_only(q: tuple[torch.Tensor, torch.Tensor | None], what: str) -> torch.Tensor:
-    values, scale = q
-    if scale is not None:
-        raise NotImplementedError(
-            f"{what}: the DeepGEMM-free indexer supports the FP8 indexer cache only; "
-            "use_fp4_indexer_cache needs DeepGEMM on SM100")
-    return values
+    return dispatch.device_topk(topk_implementation)
 
 
 # -- DeepGEMM's entry points, as vllm.utils.deep_gemm names them ------------------------------
@@ -117,26 +64,16 @@ def _fp8_only(q: tuple[torch.Tensor, torch.Tensor | None], what: str) -> torch.T
 def fp8_fp4_mqa_logits(q: tuple[torch.Tensor, torch.Tensor | None], kv: tuple[torch.Tensor, torch.Tensor],
                        weights: torch.Tensor, cu_seqlen_ks: torch.Tensor, cu_seqlen_ke: torch.Tensor,
                        clean_logits: bool) -> torch.Tensor:
-    if not deepgemm_free_indexer_active():
-        from vllm.utils import deep_gemm
-
-        return deep_gemm.fp8_fp4_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits=clean_logits)
-    k, k_scale = kv
-    return _kernels().mqa_logits(_fp8_only(q, "fp8_fp4_mqa_logits"), k, k_scale, weights,
-                                 cu_seqlen_ks, cu_seqlen_ke, clean_logits=clean_logits)
+    return dispatch.mqa_logits(deepgemm_free_indexer_active(), q, kv, weights, cu_seqlen_ks, cu_seqlen_ke,
+                               clean_logits)
 
 
 def fp8_fp4_paged_mqa_logits(q: tuple[torch.Tensor, torch.Tensor | None], kv_cache: torch.Tensor,
                              weights: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
                              schedule_metadata: torch.Tensor, max_model_len: int,
                              clean_logits: bool) -> torch.Tensor:
-    if not deepgemm_free_indexer_active():
-        from vllm.utils import deep_gemm
-
-        return deep_gemm.fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables,
-                                                  schedule_metadata, max_model_len, clean_logits=clean_logits)
-    return _kernels().paged_mqa_logits(_fp8_only(q, "fp8_fp4_paged_mqa_logits"), kv_cache, weights,
-                                       context_lens, block_tables, max_model_len, clean_logits=clean_logits)
+    return dispatch.paged_mqa_logits(deepgemm_free_indexer_active(), q, kv_cache, weights, context_lens,
+                                     block_tables, schedule_metadata, max_model_len, clean_logits)
 
 
 # -- torch.ops._C's top-k entry points, same arguments ------------------------------------------
@@ -149,14 +86,13 @@ def top_k_per_row_prefill(logits: torch.Tensor, cu_seqlen_ks: torch.Tensor, cu_s
         torch.ops._C.top_k_per_row_prefill(logits, cu_seqlen_ks, cu_seqlen_ke, topk_indices, num_rows,
                                            stride0, stride1, topk_tokens)
         return
-    _mlafleet_topk()(logits[:num_rows], cu_seqlen_ks[:num_rows], cu_seqlen_ke[:num_rows],
-                             topk_tokens, out=topk_indices[:num_rows])
+    dispatch.prefill_topk(_topk_impl(), logits, cu_seqlen_ks, cu_seqlen_ke, topk_indices, num_rows, topk_tokens)
 
 
 def _decode_ends(seq_lens: torch.Tensor, next_n: int, rows: int) -> torch.Tensor:
     if seq_lens.dim() == 2:  # [B, next_n]: each query token's own length
         return seq_lens.reshape(-1)[:rows]
-    return _kernels().decode_row_ends(seq_lens, next_n)[:rows]
+    return dispatch.kernels().decode_row_ends(seq_lens, next_n)[:rows]
 
 
 def top_k_per_row_decode(logits: torch.Tensor, next_n: int, seq_lens: torch.Tensor, topk_indices: torch.Tensor,
@@ -165,8 +101,8 @@ def top_k_per_row_decode(logits: torch.Tensor, next_n: int, seq_lens: torch.Tens
         torch.ops._C.top_k_per_row_decode(logits, next_n, seq_lens, topk_indices, num_rows, stride0, stride1,
                                           topk_tokens)
         return
-    _mlafleet_topk()(logits[:num_rows], None, _decode_ends(seq_lens, next_n, num_rows), topk_tokens,
-                             out=topk_indices[:num_rows])
+    dispatch.mlafleet_topk(_topk_impl())(logits[:num_rows], None, _decode_ends(seq_lens, next_n, num_rows),
+                                         topk_tokens, out=topk_indices[:num_rows])
 
 
 def persistent_topk(logits: torch.Tensor, seq_lens: torch.Tensor, topk_indices: torch.Tensor,

@@ -18,76 +18,45 @@ On the DeepGEMM-free path the logits come from mlafleet's Triton kernels
 (`vllm.third_party.mlafleet_kernels.indexer`). Top-k: vLLM 0.32.0's own kernels on 9.x, 10.x and
 12.x (where vLLM runs them), mlafleet's Triton radix select elsewhere;
 MLAFLEET_INDEXER_TOPK=vllm|triton|torch overrides that (torch: torch.topk, slow, runs anywhere).
+
+What every line's dispatchers share (the switches, the decision for this device, the logits and
+the prefill top-k on either path) is `vllm.third_party.mlafleet_kernels.indexer_dispatch`,
+shipped beside the kernels; this file holds 0.32.0's rule and the entry points with 0.32.0's
+arguments (its decode top-k included).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-FALLBACK_ENV = "MLAFLEET_INDEXER_FALLBACK"
-TOPK_ENV = "MLAFLEET_INDEXER_TOPK"
-DEEPGEMM_MAJORS = (9, 10)  # always DeepGEMM (12.x: unless the operator switch is on)
+from vllm.third_party.mlafleet_kernels import indexer_dispatch as dispatch
+
 VLLM_TOPK_MAJORS = (9, 10, 12)  # where vLLM 0.32.0's top-k kernels run
-TOPK_IMPLEMENTATIONS = ("vllm", "triton", "torch")
-
-
-def _forced() -> bool:
-    value = os.environ.get(FALLBACK_ENV, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{FALLBACK_ENV} must be 1 (force the DeepGEMM-free indexer) or 0/unset, got {value!r}")
-    return value == "1"
 
 
 def use_deepgemm_free_indexer(capability: tuple[int, int], deep_gemm_installed: bool = True) -> bool:
     """True when the DSA indexer runs without DeepGEMM on a device of this capability."""
     from vllm.v1.attention.backends.mla.mlafleet_selection import triton_sparse_mla_requested
 
-    if _forced() or not deep_gemm_installed:
+    if dispatch.forced() or not deep_gemm_installed:
         return True
     major = int(capability[0])
     if major == 12:
         return triton_sparse_mla_requested()
-    return major not in DEEPGEMM_MAJORS
+    return major not in dispatch.DEEPGEMM_MAJORS
 
 
 def topk_implementation(capability: tuple[int, int]) -> str:
     """On the DeepGEMM-free path, whose top-k: 'vllm', 'triton' or 'torch' (mlafleet's two)."""
-    value = os.environ.get(TOPK_ENV, "")
-    if value and value not in TOPK_IMPLEMENTATIONS:
-        raise ValueError(f"{TOPK_ENV} must be one of {', '.join(TOPK_IMPLEMENTATIONS)} (or unset), got {value!r}")
-    if value:
-        return value
-    return "vllm" if int(capability[0]) in VLLM_TOPK_MAJORS else "triton"
-
-
-@functools.cache
-def _device_capability() -> tuple[int, int] | None:
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cuda():
-        return None  # ROCm, XPU and CPU keep their own indexer paths
-    cap = current_platform.get_device_capability()
-    return None if cap is None else (cap.major, cap.minor)
+    return dispatch.topk_implementation(capability, VLLM_TOPK_MAJORS)
 
 
 @functools.cache
 def deepgemm_free_indexer_active() -> bool:
     """The decision for this process's device (False off CUDA), logged once."""
-    from vllm.logger import init_logger
-    from vllm.utils.import_utils import has_deep_gemm
-
-    capability = _device_capability()
-    if capability is None:
-        return False
-    active = use_deepgemm_free_indexer(capability, has_deep_gemm())
-    if active:
-        init_logger(__name__).info(
-            "DSA indexer: DeepGEMM-free path (mlafleet Triton MQA logits, %s top-k) on compute capability %d.%d",
-            topk_implementation(capability), *capability)
-    return active
+    return dispatch.decide(use_deepgemm_free_indexer, topk_implementation)
 
 
 def indexer_uses_deep_gemm() -> bool:
@@ -99,28 +68,7 @@ def indexer_uses_deep_gemm() -> bool:
 
 @functools.cache
 def _topk_impl() -> str:
-    capability = _device_capability()
-    return "vllm" if capability is None else topk_implementation(capability)
-
-
-def _kernels():
-    from vllm.third_party.mlafleet_kernels import indexer
-
-    return indexer
-
-
-def _mlafleet_topk():
-    kernels = _kernels()
-    return kernels.top_k_per_row_torch if _topk_impl() == "torch" else kernels.top_k_per_row
-
-
-def _fp8_query(q: tuple[torch.Tensor, torch.Tensor | None], what: str) -> torch.Tensor:
-    values, scale = q
-    if scale is not None:
-        raise NotImplementedError(
-            f"{what}: the DeepGEMM-free indexer reads the FP8 indexer cache only; the MXFP4 one "
-            "(use_fp4_indexer_cache) needs DeepGEMM")
-    return values
+    return dispatch.device_topk(topk_implementation)
 
 
 # -- the logits: DeepGEMM's entry points, as vllm.utils.deep_gemm names them ---------------------
@@ -129,30 +77,20 @@ def _fp8_query(q: tuple[torch.Tensor, torch.Tensor | None], what: str) -> torch.
 def fp8_fp4_mqa_logits(q: tuple[torch.Tensor, torch.Tensor | None], kv: tuple[torch.Tensor, torch.Tensor],
                        weights: torch.Tensor, cu_seqlen_ks: torch.Tensor, cu_seqlen_ke: torch.Tensor,
                        clean_logits: bool) -> torch.Tensor:
-    if not deepgemm_free_indexer_active():
-        from vllm.utils import deep_gemm
-
-        return deep_gemm.fp8_fp4_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits=clean_logits)
-    keys, key_scales = kv
-    return _kernels().mqa_logits(_fp8_query(q, "fp8_fp4_mqa_logits"), keys, key_scales, weights,
-                                 cu_seqlen_ks, cu_seqlen_ke, clean_logits=clean_logits)
+    return dispatch.mqa_logits(deepgemm_free_indexer_active(), q, kv, weights, cu_seqlen_ks, cu_seqlen_ke,
+                               clean_logits)
 
 
 def fp8_fp4_paged_mqa_logits(q: tuple[torch.Tensor, torch.Tensor | None], kv_cache: torch.Tensor,
                              weights: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
                              schedule_metadata: torch.Tensor, max_model_len: int, clean_logits: bool,
                              indices: torch.Tensor | None = None) -> torch.Tensor:
-    if not deepgemm_free_indexer_active():
-        from vllm.utils import deep_gemm
-
-        return deep_gemm.fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables,
-                                                  schedule_metadata, max_model_len=max_model_len,
-                                                  clean_logits=clean_logits, indices=indices)
-    if indices is not None:
+    free = deepgemm_free_indexer_active()
+    if free and indices is not None:
         raise NotImplementedError("fp8_fp4_paged_mqa_logits: the DeepGEMM-free indexer has no "
                                   "varlen decode (indices), which only SM100 DeepGEMM uses")
-    return _kernels().paged_mqa_logits(_fp8_query(q, "fp8_fp4_paged_mqa_logits"), kv_cache, weights,
-                                       context_lens, block_tables, max_model_len, clean_logits=clean_logits)
+    return dispatch.paged_mqa_logits(free, q, kv_cache, weights, context_lens, block_tables, schedule_metadata,
+                                     max_model_len, clean_logits, indices=indices)
 
 
 # -- the top-k ------------------------------------------------------------------------------------
@@ -168,8 +106,7 @@ def top_k_per_row_prefill(logits: torch.Tensor, cu_seqlen_ks: torch.Tensor, cu_s
         ops.top_k_per_row_prefill(logits, cu_seqlen_ks, cu_seqlen_ke, topk_indices, num_rows,
                                   stride0, stride1, topk_tokens)
         return
-    _mlafleet_topk()(logits[:num_rows], cu_seqlen_ks[:num_rows], cu_seqlen_ke[:num_rows],
-                     topk_tokens, out=topk_indices[:num_rows])
+    dispatch.prefill_topk(_topk_impl(), logits, cu_seqlen_ks, cu_seqlen_ke, topk_indices, num_rows, topk_tokens)
 
 
 def _mlafleet_decode_topk(logits: torch.Tensor, seq_lens: torch.Tensor, next_n: int, topk_indices: torch.Tensor,
@@ -180,8 +117,8 @@ def _mlafleet_decode_topk(logits: torch.Tensor, seq_lens: torch.Tensor, next_n: 
     if seq_lens.numel() == rows:  # one length per row: [B, next_n], or [B, 1] with next_n 1
         ends = seq_lens.reshape(-1)
     else:  # one length per request: row j of a request sees L - next_n + j + 1 keys
-        ends = _kernels().decode_row_ends(seq_lens.reshape(-1), next_n)[:rows]
-    _mlafleet_topk()(logits, None, ends, topk_tokens, out=topk_indices[:rows])
+        ends = dispatch.kernels().decode_row_ends(seq_lens.reshape(-1), next_n)[:rows]
+    dispatch.mlafleet_topk(_topk_impl())(logits, None, ends, topk_tokens, out=topk_indices[:rows])
 
 
 def decode_topk(backend: str):

@@ -14,13 +14,17 @@ sparse-MLA metadata and builder (flashmla_sparse.py) and its index conversion
 - mlafleet's kernels attend over those slots for every query token, prefill and decode alike
   (no head padding, no FlashMLA scheduler metadata), reading the cache in the layout of its
   kv_cache_dtype: bf16, fp8_ds_mla, or (an impl handed "fp8" itself) vLLM's plain fp8 MLA
-  cache. The layouts and that choice are `vllm.third_party.mlafleet_kernels.sparse_mla`,
-  shared with the other vLLM lines' backends;
+  cache. The layouts and that choice are `vllm.third_party.mlafleet_kernels.sparse_mla`;
 - fp8_ds_mla prefill: where a batch has enough prefill tokens for its prefill requests' contexts
   (sparse_mla.use_prefill_workspace), those contexts are dequantised once into a bf16 workspace
   (PREFILL_WORKSPACE_MAX_ROWS rows at most, taken from vLLM's shared workspace manager, which
   vLLM's own FlashMLA fp8 backend reserves more of) and the prefill tokens attend over it with
   the bf16 kernel; decode tokens (first, as vLLM reorders the batch) read the fp8 cache.
+
+What every line's backend shares (the backend's class methods, the impl's checks and
+`forward_mqa`) is `vllm.third_party.mlafleet_kernels.sparse_mla_backend`, shipped beside the
+kernels; this file holds 0.20.2's own parts: the metadata and builder, the cache dtypes and
+shape, the indexer's buffer, the workspace, the index conversion.
 """
 
 from dataclasses import dataclass, fields
@@ -30,15 +34,14 @@ import torch
 
 from vllm.config import get_current_vllm_config_or_none
 from vllm.config.cache import CacheDType
-from vllm.logger import init_logger
-from vllm.platforms.interface import DeviceCapability
 from vllm.third_party.mlafleet_kernels import sparse_mla
-from vllm.v1.attention.backend import (
-    AttentionBackend,
-    AttentionLayer,
-    MultipleOf,
-    SparseMLAAttentionImpl,
+from vllm.third_party.mlafleet_kernels.sparse_mla_backend import (
+    BLOCK_SIZE,
+    HEAD_SIZE,
+    SparseMLABackendParts,
+    SparseMLAImplParts,
 )
+from vllm.v1.attention.backend import AttentionBackend, SparseMLAAttentionImpl
 from vllm.v1.attention.backends.mla.flashmla_sparse import (
     FlashMLASparseMetadata,
     FlashMLASparseMetadataBuilder,
@@ -53,25 +56,14 @@ from vllm.v1.worker.workspace import current_workspace_manager, is_workspace_man
 if TYPE_CHECKING:
     from vllm.model_executor.models.deepseek_v2 import Indexer
 
-logger = init_logger(__name__)
-
-NAME = "TRITON_MLA_SPARSE"
-BLOCK_SIZE = 64  # tokens per KV-cache block (fp8_ds_mla's layout fixes it)
-HEAD_SIZE = 576  # 512 latent (kv_lora_rank) + 64 RoPE
-LATENT = 512  # the value part of a cached token
 PREFILL_WORKSPACE_MAX_ROWS = 64 * 1024  # bf16 rows (75.5 MB), as vLLM 0.32.0's sparse builder caps its own
 
 # the kv-cache dtypes vLLM 0.20.2 has that the kernels read (their layouts: sparse_mla.LAYOUTS)
 KV_CACHE_DTYPES: list[str] = ["auto", "bfloat16", "fp8_ds_mla", "fp8"]
 
 
-class TritonMLASparseBackend(AttentionBackend):
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16]
+class TritonMLASparseBackend(SparseMLABackendParts, AttentionBackend):
     supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = list(KV_CACHE_DTYPES)
-
-    @staticmethod
-    def get_name() -> str:
-        return NAME
 
     @staticmethod
     def get_builder_cls() -> type["TritonMLASparseMetadataBuilder"]:
@@ -80,26 +72,6 @@ class TritonMLASparseBackend(AttentionBackend):
     @staticmethod
     def get_impl_cls() -> type["TritonMLASparseImpl"]:
         return TritonMLASparseImpl
-
-    @staticmethod
-    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
-        return [BLOCK_SIZE]
-
-    @classmethod
-    def get_supported_head_sizes(cls) -> list[int]:
-        return [HEAD_SIZE]
-
-    @classmethod
-    def is_mla(cls) -> bool:
-        return True
-
-    @classmethod
-    def is_sparse(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
-        return capability.major in (8, 9, 12)
 
     @staticmethod
     def get_kv_cache_shape(
@@ -175,7 +147,7 @@ class TritonMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
             prefill_seg_rows=sparse_mla.prefill_segment_rows(longest))
 
 
-class TritonMLASparseImpl(SparseMLAAttentionImpl[FlashMLASparseMetadata]):
+class TritonMLASparseImpl(SparseMLAImplParts, SparseMLAAttentionImpl[FlashMLASparseMetadata]):
     def __init__(
         self,
         num_heads: int,
@@ -196,49 +168,19 @@ class TritonMLASparseImpl(SparseMLAAttentionImpl[FlashMLASparseMetadata]):
         if indexer is None:
             raise ValueError("TRITON_MLA_SPARSE needs the model's sparse-attention indexer "
                              "(a DeepSeek-V3.2 / GLM-5 style model)")
-        if head_size != HEAD_SIZE or mla_args.get("kv_lora_rank", LATENT) != LATENT:
-            raise ValueError(f"TRITON_MLA_SPARSE supports head size {HEAD_SIZE} with kv_lora_rank "
-                             f"{LATENT}, got {head_size} and {mla_args.get('kv_lora_rank')}")
-        # the cache layout first: a dtype the kernels cannot read fails before anything is set
-        self.layout = sparse_mla.layout_of(kv_cache_dtype, KV_CACHE_DTYPES)
-        self.kv_cache_dtype = kv_cache_dtype
-        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
-        self.scale = float(scale)
-        self.kv_lora_rank = LATENT
+        self.init_parts(num_heads, head_size, scale, num_kv_heads, kv_cache_dtype, KV_CACHE_DTYPES, mla_args)
         self.topk_indices_buffer: torch.Tensor | None = indexer.topk_indices_buffer
         vllm_config = get_current_vllm_config_or_none()
         if self.layout == sparse_mla.FP8_DS_MLA_ROWS and vllm_config and is_workspace_manager_initialized():
             # reserved now, while vLLM measures memory; batches take views of it (the builder)
             prefill_workspace(prefill_workspace_rows(vllm_config))
 
-    def _cache_slots(self, topk: torch.Tensor, metadata: FlashMLASparseMetadata) -> torch.Tensor:
-        """Each token's top-k positions (per request, -1 for none) as cache slots, [T, 1, k]."""
+    def _cache_rows(self, topk: torch.Tensor, metadata: FlashMLASparseMetadata, cache: torch.Tensor
+                    ) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """The cache as flat rows ([num_blocks * 64, width]: blocks are contiguous here), 64 rows a
+        block, and each token's top-k positions as cache slots, [T, 1, k]."""
+        tokens = topk.shape[0]
         slots = triton_convert_req_index_to_global_index(
-            metadata.req_id_per_token[:topk.shape[0]], metadata.block_table, topk,
+            metadata.req_id_per_token[:tokens], metadata.block_table, topk,
             BLOCK_SIZE=metadata.block_size, NUM_TOPK_TOKENS=topk.shape[1])
-        return slots.view(topk.shape[0], 1, topk.shape[1])
-
-    def forward_mqa(
-        self,
-        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-        kv_c_and_k_pe_cache: torch.Tensor,
-        attn_metadata: FlashMLASparseMetadata,
-        layer: AttentionLayer,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # (latent q [T, H, 512], RoPE q [T, H, 64]) or both in one [T, H, 576]; the kernel reads
-        # the halves where they are, so nothing is concatenated
-        tokens = (q if isinstance(q, torch.Tensor) else q[0]).shape[0]
-        assert self.topk_indices_buffer is not None
-        topk = self.topk_indices_buffer[:tokens]
-        rows = kv_c_and_k_pe_cache.view(-1, kv_c_and_k_pe_cache.shape[-1])  # [num_blocks * 64, width]
-        if self.layout == sparse_mla.FP8_DS_MLA_ROWS and getattr(attn_metadata, "prefill_workspace", None) is not None:
-            logger.info_once(f"{NAME}: fp8_ds_mla prefill tokens attend through the bf16 prefill workspace")
-            md = attn_metadata
-            out = sparse_mla.attend_with_prefill_workspace(
-                q, rows, BLOCK_SIZE, self._cache_slots(topk[:md.num_decode_tokens], md), md.block_table, md.seq_lens,
-                md.req_id_per_token, md.num_decodes, md.num_prefills, topk, self.scale, md.prefill_workspace,
-                md.prefill_seg_rows)
-            return out, None
-        slots = self._cache_slots(topk, attn_metadata)
-        out = sparse_mla.attend(self.layout, q, rows, slots, self.scale, getattr(layer, "_k_scale", None))
-        return out, None
+        return cache.view(-1, cache.shape[-1]), BLOCK_SIZE, slots.view(tokens, 1, topk.shape[1])

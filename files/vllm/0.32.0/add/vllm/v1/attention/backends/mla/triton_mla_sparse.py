@@ -29,6 +29,11 @@ What a sparse-MLA backend of vLLM 0.32.0 consists of, and what this one puts the
 backends: the MLA layer turns it into fp8_ds_mla before the cache is allocated (patch set,
 mla-fp8-kv.yml). An impl handed "fp8" itself (vLLM's own backend tests build it so) reads
 vLLM's plain fp8 MLA cache (the kernel module's layouts).
+
+What every line's backend shares (the backend's class methods, the impl's checks and
+`forward_mqa`) is `vllm.third_party.mlafleet_kernels.sparse_mla_backend`, shipped beside the
+kernels; this file holds 0.32.0's own parts: the metadata and builder, the cache dtypes, the
+spec and combination checks, the top-k buffer, the index conversion with the block stride.
 """
 
 from __future__ import annotations
@@ -39,7 +44,6 @@ from typing import ClassVar
 import torch
 
 from vllm.config.cache import CacheDType
-from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.sparse_mla_attention import (
     SharedTopkIndicesBuffer,
     SparseMLACommonMetadata,
@@ -47,13 +51,16 @@ from vllm.model_executor.layers.attention.sparse_mla_attention import (
 )
 from vllm.platforms.interface import DeviceCapability
 from vllm.third_party.mlafleet_kernels import sparse_mla
+from vllm.third_party.mlafleet_kernels.sparse_mla_backend import (
+    NAME,
+    SparseMLABackendParts,
+    SparseMLAImplParts,
+)
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
-    AttentionLayer,
     AttentionType,
     MLAAttentionImpl,
-    MultipleOf,
 )
 from vllm.v1.attention.backends.mla.sparse_utils import (
     align_blocks_to_rows,
@@ -62,26 +69,14 @@ from vllm.v1.attention.backends.mla.sparse_utils import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-logger = init_logger(__name__)
-
-NAME = "TRITON_MLA_SPARSE"
-BLOCK_SIZE = 64  # tokens per KV-cache block
-HEAD_SIZE = 576  # kv_lora_rank 512 + RoPE 64
-LATENT = 512  # the value part of a cached token
 TOPK_MULTIPLE = 128  # vLLM's index conversion takes top-k widths in tiles of 128
-MAJORS = (8, 9, 12)  # compute capabilities the kernels are built and checked for
 
 # the kv-cache dtypes vLLM 0.32.0 has that the kernels read (their layouts: sparse_mla.LAYOUTS)
 KV_CACHE_DTYPES: list[str] = ["auto", "bfloat16", "fp8_ds_mla", "fp8", "fp8_e4m3"]
 
 
-class TritonMLASparseBackend(AttentionBackend):
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16]
+class TritonMLASparseBackend(SparseMLABackendParts, AttentionBackend):
     supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = list(KV_CACHE_DTYPES)
-
-    @staticmethod
-    def get_name() -> str:
-        return NAME
 
     @staticmethod
     def get_builder_cls() -> type[TritonMLASparseMetadataBuilder]:
@@ -91,30 +86,10 @@ class TritonMLASparseBackend(AttentionBackend):
     def get_impl_cls() -> type[TritonMLASparseImpl]:
         return TritonMLASparseImpl
 
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
-        return [BLOCK_SIZE]
-
-    @classmethod
-    def get_supported_head_sizes(cls) -> list[int]:
-        return [HEAD_SIZE]
-
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
         # the kernels index the cache as flat rows: blocks must be whole rows apart
         return align_blocks_to_rows(spec)
-
-    @classmethod
-    def is_mla(cls) -> bool:
-        return True
-
-    @classmethod
-    def is_sparse(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
-        return capability.major in MAJORS
 
     @classmethod
     def supports_combination(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: CacheDType | None,
@@ -172,7 +147,7 @@ class TritonMLASparseMetadataBuilder(SparseMLACommonMetadataBuilder[TritonMLASpa
         return metadata
 
 
-class TritonMLASparseImpl(MLAAttentionImpl[TritonMLASparseMetadata], SharedTopkIndicesBuffer):
+class TritonMLASparseImpl(SparseMLAImplParts, MLAAttentionImpl[TritonMLASparseMetadata], SharedTopkIndicesBuffer):
     is_sparse = True
     supports_dense_mha_prefill = False  # prefill goes through forward_mqa too
     supports_pcp = False
@@ -198,15 +173,7 @@ class TritonMLASparseImpl(MLAAttentionImpl[TritonMLASparseMetadata], SharedTopkI
         if named or attn_type != AttentionType.DECODER:
             raise NotImplementedError(f"{NAME} serves decoder self-attention without "
                                       f"{', '.join(unsupported)}; got {named or attn_type}")
-        if head_size != HEAD_SIZE or mla_args.get("kv_lora_rank", LATENT) != LATENT:
-            raise ValueError(f"{NAME} supports head size {HEAD_SIZE} with kv_lora_rank {LATENT}, got "
-                             f"{head_size} and {mla_args.get('kv_lora_rank')}")
-        # the cache layout first: a dtype the kernels cannot read fails before anything is set
-        self.layout = sparse_mla.layout_of(kv_cache_dtype, KV_CACHE_DTYPES, NAME)
-        self.kv_cache_dtype = kv_cache_dtype
-        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
-        self.scale = float(scale)
-        self.kv_lora_rank = LATENT
+        self.init_parts(num_heads, head_size, scale, num_kv_heads, kv_cache_dtype, KV_CACHE_DTYPES, mla_args)
         self.init_topk_indices_buffer(indexer, mla_args.get("topk_indices_buffer"))
         if self.topk_indices_buffer is None:
             raise ValueError(f"{NAME} needs the top-k buffer of the model's sparse-attention indexer "
@@ -217,8 +184,8 @@ class TritonMLASparseImpl(MLAAttentionImpl[TritonMLASparseMetadata], SharedTopkI
 
     def _cache_rows(self, topk: torch.Tensor, metadata: SparseMLACommonMetadata, cache: torch.Tensor
                     ) -> tuple[torch.Tensor, int, torch.Tensor]:
-        """The cache as flat rows, its rows per block, and each token's top-k positions as rows of it
-        ([T, 1, k])."""
+        """The cache as flat rows, its rows per block (blocks sit whole rows apart: customize_spec),
+        and each token's top-k positions as rows of it ([T, 1, k])."""
         rows, rows_per_block = flat_kv_row_view(cache, metadata.block_size)
         tokens = topk.shape[0]
         slots = triton_convert_req_index_to_global_index(
@@ -226,32 +193,3 @@ class TritonMLASparseImpl(MLAAttentionImpl[TritonMLASparseMetadata], SharedTopkI
             BLOCK_SIZE=metadata.block_size, BLOCK_STRIDE_ROWS=rows_per_block,
             NUM_TOPK_TOKENS=topk.shape[1])
         return rows, rows_per_block, slots.view(tokens, 1, topk.shape[1])
-
-    def _attend_prefill_workspace(self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], topk: torch.Tensor,
-                                  metadata: TritonMLASparseMetadata, cache: torch.Tensor) -> torch.Tensor:
-        """fp8_ds_mla: the decode tokens (first, as the builder orders them) over the cache, the
-        prefill tokens over their requests' contexts dequantised into the bf16 workspace."""
-        n_dec = metadata.num_decode_tokens
-        logger.info_once(f"{NAME}: fp8_ds_mla prefill tokens attend through the bf16 prefill workspace")
-        rows, rows_per_block, decode_slots = self._cache_rows(topk[:n_dec], metadata, cache)
-        return sparse_mla.attend_with_prefill_workspace(
-            q, rows, rows_per_block, decode_slots, metadata.block_table, metadata.seq_lens, metadata.req_id_per_token,
-            metadata.num_decodes, metadata.num_prefills, topk, self.scale, metadata.prefill_workspace,
-            metadata.prefill_seg_rows)
-
-    def forward_mqa(
-        self,
-        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-        kv_c_and_k_pe_cache: torch.Tensor,
-        attn_metadata: TritonMLASparseMetadata,
-        layer: AttentionLayer,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # (latent q [T, H, 512], RoPE q [T, H, 64]) or both in one [T, H, 576]; the kernel reads
-        # the halves where they are, so nothing is concatenated
-        tokens = (q if isinstance(q, torch.Tensor) else q[0]).shape[0]
-        topk = self.topk_indices_buffer[:tokens]
-        if self.layout == sparse_mla.FP8_DS_MLA_ROWS and getattr(attn_metadata, "prefill_workspace", None) is not None:
-            return self._attend_prefill_workspace(q, topk, attn_metadata, kv_c_and_k_pe_cache), None
-        rows, _, slots = self._cache_rows(topk, attn_metadata, kv_c_and_k_pe_cache)
-        out = sparse_mla.attend(self.layout, q, rows, slots, self.scale, getattr(layer, "_k_scale", None))
-        return out, None

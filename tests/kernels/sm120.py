@@ -4,7 +4,10 @@ Triton compiles a @triton.jit function for a named target without a device; ptxa
 with Triton) then reports registers and spills. A kernel that fits the H200 (227 KB of shared
 memory per block) may not fit an RTX PRO 6000 (SM120: 99 KB), and the failure only shows at
 launch on the fleet. Tests call `compile_for_sm120` for every config a launcher can choose and
-assert `report.fits()`.
+assert `report.fits()`; `sparse_mla_specs()` lists the sparse-MLA launcher's launches (the
+indexer's test lists its own).
+
+A test tool: nothing in mlafleet imports it, and the patch sets do not ship it.
 
     report = compile_for_sm120(my_kernel, {"X": "*bf16", "n": "i32"}, {"BLOCK": 64},
                                num_warps=4, num_stages=2)
@@ -189,7 +192,8 @@ def _compile_in_child(fn: Any, signature: dict[str, str], constexprs: dict[str, 
                "num_warps": num_warps, "num_stages": num_stages, "aligned": sorted(aligned),
                "capability": capability, "maxnreg": maxnreg}
     child = ("import importlib, json, sys, dataclasses\n"
-             "from mlafleet.kernels.sm120 import compile_for_sm120\n"
+             f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
+             "from sm120 import compile_for_sm120\n"
              "r = json.loads(sys.stdin.read())\n"
              "fn = getattr(importlib.import_module(r['module']), r['name'])\n"
              "rep = compile_for_sm120(fn, r['signature'], r['constexprs'], r['num_warps'],\n"
@@ -204,3 +208,97 @@ def _compile_in_child(fn: Any, signature: dict[str, str], constexprs: dict[str, 
             return Sm120Report(**json.loads(line[len("SM120REPORT "):]))
     raise RuntimeError(f"compile_for_sm120: compiling {module}.{name} in a child Python failed:\n"
                        f"{(proc.stdout + proc.stderr)[-3000:]}")
+
+
+# --------------------------------------------------------------------------------------
+# the sparse-MLA launcher's launches
+# --------------------------------------------------------------------------------------
+
+def sparse_mla_specs(configs: list[tuple[str, Any]] | None = None, merge: bool = True) -> list[dict]:
+    """Everything the sparse-MLA launcher (mlafleet/kernels/sparse_mla.py) can launch, as arguments
+    of compile_for_sm120.
+
+    Each config in sparse_mla.CONFIGS (or `configs`: (cache dtype, config) pairs) for its cache dtype
+    (an fp8 config for fp8_ds_mla and for a plain fp8 cache) and both output modes, plus the
+    merge kernel, with the specialisations Triton's JIT makes
+    at a typical launch (contiguous last dims are stride 1, token strides and pointers
+    divisible by 16).
+    """
+    from mlafleet.kernels import sparse_mla as sm
+
+    specs = []
+    for dtype, cfg in configs or [*((dtype, cfg) for (dtype, _), cfg in sm.CONFIGS.items()), ("fp8", sm.GLUON_FP8)]:
+        fp8 = dtype == "fp8"
+        if cfg.gluon:
+            specs.extend(gluon_specs(cfg))
+            continue
+        for partial, rope_e4m3, trim in [(p, r, t) for p in (False, True) for r in ((False, True) if fp8 else (False,))
+                                         for t in ((False, True) if cfg.trim_tail else (False,))]:
+            signature = {
+                "Q": "*bf16", "stride_q_tok": "i32", "stride_q_head": "i32",
+                "Q_ROPE": "*bf16", "stride_qr_tok": "i32", "stride_qr_head": "i32",
+                "KV": "*u8" if fp8 else "*bf16", "stride_kv_tok": "i32", "n_slots": "i32",
+                "IDX": "*i32", "stride_idx_tok": "i32",
+                "OUT": "*fp32" if partial else "*bf16", "stride_out_tok": "i32",
+                "stride_out_split": "i32", "stride_out_head": "i32",
+                "LSE": "*fp32", "stride_lse_tok": "i32", "stride_lse_split": "i32",
+                "stride_lse_head": "i32", "h_q": "i32", "topk": "i32", "tokens_per_split": "i32",
+                "n_split": "i32", "n_head_blocks": "i32", "qk_scale_log2": "fp32",
+                "KV_SCALE": "*fp32",
+            }
+            constexprs = {"stride_q_dim": 1, "stride_qr_dim": 1, "stride_idx_k": 1, "BLOCK_H": cfg.block_h,
+                          "BLOCK_N": cfg.block_n, "FP8": fp8, "ROPE_E4M3": rope_e4m3, "PARTIAL": partial,
+                          "SCALE_LOGITS": cfg.scale_logits,
+                          "DOT_F32": False, "TRIM_TAIL": trim, "LAZY_RESCALE": cfg.lazy_rescale,
+                          "PDL": True, "PREFETCH_IDX": cfg.prefetch_idx}  # SM12x launches with PDL (_pdl)
+            aligned = ["Q", "Q_ROPE", "KV", "IDX", "OUT", "LSE", "stride_q_tok", "stride_q_head",
+                       "stride_qr_tok", "stride_qr_head",
+                       "stride_kv_tok", "stride_out_tok", "stride_out_head"]
+            specs.append({"fn": sm._sparse_mla_kernel, "signature": signature, "constexprs": constexprs,
+                          "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "aligned": aligned,
+                          "maxnreg": cfg.sm12x_maxnreg})
+    merge_sig = {"PART_OUT": "*fp32", "stride_po_tok": "i32", "stride_po_split": "i32",
+                 "stride_po_head": "i32", "PART_LSE": "*fp32", "stride_pl_tok": "i32",
+                 "stride_pl_split": "i32", "stride_pl_head": "i32", "OUT": "*bf16",
+                 "stride_out_tok": "i32", "stride_out_head": "i32", "LSE": "*fp32",
+                 "stride_lse_tok": "i32", "stride_lse_head": "i32", "h_q": "i32", "n_split": "i32"}
+    merges = [(block_split, block_d) for block_split in (2, 4, 8, 16, 32, 64, 128) for block_d in sm.MERGE_BLOCK_DS
+              if block_split <= 64 or block_d == 32]  # _merge_block_d's choices
+    for block_split, block_d in merges if merge else ():  # next_power_of_2(num_splits)
+        specs.append({"fn": sm._merge_splits_kernel, "signature": merge_sig,
+                      "constexprs": {"BLOCK_SPLIT": block_split, "PDL": True, "BLOCK_D": block_d},
+                      "num_warps": sm.MERGE_NUM_WARPS,
+                      "num_stages": 1, "aligned": ["PART_OUT", "OUT", "LSE", "PART_LSE"]})
+    if merge:  # and the fp8_ds_mla prefill workspace's two kernels (attend_prefill_fp8_ds_mla)
+        specs.append({"fn": sm._fp8_ds_mla_context_kernel,
+                      "signature": {"ROWS": "*u8", "stride_row": "i32", "BLOCK_TABLE": "*i32", "stride_bt": "i32",
+                                    "SEQ_LENS": "*i32", "rows_per_block": "i32", "OUT": "*bf16", "stride_out": "i32",
+                                    "seg_rows": "i32"},
+                      "constexprs": {"BLOCK_R": sm.CONTEXT_BLOCK_R, "PAGE": sm.FP8_BLOCK_SIZE}, "num_warps": 4,
+                      "num_stages": 1,
+                      "aligned": ["ROWS", "stride_row", "BLOCK_TABLE", "SEQ_LENS", "OUT", "stride_out"]})
+        specs.append({"fn": sm._workspace_rows_kernel,
+                      "signature": {"POS": "*i32", "stride_pos": "i32", "SEG_OF_TOKEN": "*i32", "SEQ_LENS": "*i32",
+                                    "OUT": "*i32", "topk": "i32", "seg_rows": "i32"},
+                      "constexprs": {"BLOCK_K": sm.WS_ROWS_BLOCK_K}, "num_warps": 4, "num_stages": 1,
+                      "aligned": ["POS", "stride_pos", "SEG_OF_TOKEN", "SEQ_LENS", "OUT", "topk"]})
+    return specs
+
+
+def gluon_specs(cfg: Any) -> list[dict]:
+    """The Gluon fp8_ds_mla kernel's launches (cfg: a sparse_mla.KernelConfig), as sparse_mla_specs gives them: final and partial,
+    untrimmed and trimmed."""
+    from mlafleet.kernels import sparse_mla_gluon as glu
+
+    signature = {n: "i32" for n in glu.sparse_mla_fp8_grouped.arg_names}
+    signature.update({"Q": "*bf16", "Q_ROPE": "*bf16", "KV": "*u8", "KVH": "*bf16", "KVF": "*fp32",
+                      "IDX": "*i32", "LSE": "*fp32", "qk_scale_log2": "fp32"})
+    for name in ("BLOCK_N", "STAGES", "PARTIAL", "TRIM_TAIL", "num_warps", "PAD_KB"):
+        del signature[name]
+    aligned = ["Q", "Q_ROPE", "KV", "KVH", "KVF", "IDX", "OUT", "LSE", "stride_q_tok", "stride_q_head",
+               "stride_qr_tok", "stride_qr_head", "stride_kv_tok", "stride_out_tok", "stride_out_head"]
+    return [{"fn": glu.sparse_mla_fp8_grouped, "signature": {**signature, "OUT": "*fp32" if partial else "*bf16"},
+             "constexprs": {"BLOCK_N": cfg.block_n, "STAGES": cfg.num_stages, "PARTIAL": partial, "TRIM_TAIL": trim,
+                            "PAD_KB": 0},
+             "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "aligned": aligned, "maxnreg": cfg.sm12x_maxnreg}
+            for partial in (False, True) for trim in (False, True)]
