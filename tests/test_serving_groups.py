@@ -37,7 +37,8 @@ def host(group: str = "", *, gpus: int = 4, gpu: str = PRO, address: str = "", a
     info = {"group": group, "head": "", "launch": "native", "tensor": None, "pipeline": None, "master_addr": "",
             "master_port": None, "ray_port": None, "address": address, "parallel": pp.parallel_sizes(args or []),
             "server": server, "release": "0.32.0-5f268df039", "patch": "a" * 64, "weights": "b" * 64,
-            "gpus": [gpu] * gpus, "slots": gpus, "heads": 64, "heads_from": "controller:/models/glm-5/config.json"}
+            "gpus": [gpu] * gpus, "slots": gpus, "heads": 64, "heads_from": "controller:/models/glm-5/config.json",
+            "lock": "vllm-0.32.0.txt", "ray_pinned": False}
     info.update(over)
     return info
 
@@ -215,9 +216,15 @@ def test_a_head_that_is_no_member_and_a_group_of_one_are_refused():
     ({"launch": "mpi"}, "mlafleet_serving_group_launch is 'mpi', not one of native, ray"),
     ({"master_port": 70000}, "mlafleet_serving_group_master_port 70000 is not a port (1-65535)"),
     ({"master_port": "x"}, "mlafleet_serving_group_master_port 'x' is not a port (1-65535)"),
-    ({"launch": "ray", "ray_port": 29501}, "the master port and the Ray port are both 29501"),
+    ({"launch": "ray", "ray_port": 29501, "ray_pinned": True}, "the master port and the Ray port are both 29501"),
+    ({"launch": "ray"}, "launch ray runs Ray from the release, and its lock file vllm-0.32.0.txt pins no ray "
+                        "(ray==<version>): pin Ray in the release line's lock, or launch native"),
     ({"tensor": "four"}, "mlafleet_serving_group_tensor_parallel 'four' is not a positive integer"),
     ({"address": ""}, "no master address: the head pro-a has no default IPv4 address; set mlafleet_serving_group_master_addr"),
+    ({"server": {**SERVER, "vllm_server_args": ["--distributed-executor-backend=uni"]}},
+     "vllm_server_args say --distributed-executor-backend uni, but a group launched native runs the mp executor"),
+    ({"launch": "ray", "ray_pinned": True, "server": {**SERVER, "vllm_server_args": ["--distributed-executor-backend", "mp"]}},
+     "vllm_server_args say --distributed-executor-backend mp, but a group launched ray runs the ray executor"),
 ])
 def test_bad_group_settings_are_refused(change, want):
     hosts, groups = pro_boxes()
@@ -229,7 +236,7 @@ def test_bad_group_settings_are_refused(change, want):
 def test_ray_and_explicit_ports_and_address_reach_every_view():
     hosts, groups = pro_boxes()
     for name in ("pro-a", "pro-b"):
-        hosts[name].update(launch="ray", master_port="29555", ray_port=6380, master_addr="10.9.0.1")
+        hosts[name].update(launch="ray", master_port="29555", ray_port=6380, master_addr="10.9.0.1", ray_pinned=True)
     out = run(hosts, groups)
     assert out["problems"] == {}
     view = out["hosts"]["pro-b"]

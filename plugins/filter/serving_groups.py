@@ -14,7 +14,8 @@ Input, one entry per host of the play (preflight's tasks/group.yml collects it o
   server (model, arguments and names: the same command on every member), release, patch, weights
   (release id and checksums of the patch set's and the weights' manifests), gpus (GPU model names),
   slots (GPUs the server may use there: the GPU count, 1 on a CPU lab host), heads and heads_from
-  (the model's attention heads where config.json was readable).
+  (the model's attention heads where config.json was readable), lock and ray_pinned (the release
+  line's lock file, and whether it pins ray: launch ray needs it).
 
 Output: {groups: {name: layout}, hosts: {host: its view}, problems: {host: [reasons]}}. A reason
 names the group, the hosts and the numbers; every member of a group carries its group's reasons.
@@ -61,6 +62,17 @@ def _int(value: Any) -> int | None:
     if isinstance(value, str) and value.strip().isdigit():
         return int(value.strip()) or None
     return None
+
+
+def _option_values(args: Any, option: str) -> list[str]:
+    """Every value given to `option` in an argument list ("--opt=V", "--opt V" or "--opt", "V")."""
+    words = [w for item in (args or []) for w in str(item).split()]
+    values = []
+    for i, word in enumerate(words):
+        name, sep, value = word.partition("=")
+        if name == option:
+            values.append(value if sep else (words[i + 1] if i + 1 < len(words) else ""))
+    return values
 
 
 def _gpus(info: dict[str, Any]) -> str:
@@ -165,6 +177,16 @@ def serving_groups(hosts: dict[str, dict[str, Any]], groups: dict[str, list[str]
                 refuse(members_play, f"serving group {name}: {AGREE[key]} {raw!r} is not a port (1-65535)")
                 port = default
             ports[key] = port
+        backends = _option_values((ref_info.get("server") or {}).get("vllm_server_args"), "--distributed-executor-backend")
+        wanted = "ray" if launch == "ray" else "mp"
+        if backends and backends[-1] != wanted:
+            refuse(members_play, f"serving group {name}: vllm_server_args say --distributed-executor-backend "
+                                 f"{backends[-1]}, but a group launched {launch} runs the {wanted} executor: "
+                                 f"leave the option out of the group's vllm_server_args")
+        if launch == "ray" and not ref_info.get("ray_pinned"):
+            refuse(members_play, f"serving group {name}: launch ray runs Ray from the release, and its lock file "
+                                 f"{ref_info.get('lock') or '(unknown)'} pins no ray (ray==<version>): pin Ray in "
+                                 f"the release line's lock, or launch native")
         if launch == "ray" and ports["master_port"] == ports["ray_port"]:
             refuse(members_play, f"serving group {name}: the master port and the Ray port are both "
                                  f"{ports['ray_port']}")
