@@ -16,6 +16,8 @@ import yaml
 
 from mlafleet.ops import runner
 
+LOCKS = Path(__file__).resolve().parent.parent / "requirements" / "releases"
+
 PLAY = """
 - hosts: all
   gather_facts: false
@@ -73,7 +75,7 @@ def test_groups_that_reach_their_head_pass_and_a_worker_that_cannot_is_refused(t
     blocked: its port is taken on 127.0.0.1 by a socket that accepts nothing: the worker's
           connection is refused and preflight refuses the group, naming the member, the head,
           the address, the port and the interface."""
-    ports = {name: free_port() for name in ("duo", "busy", "blocked")}
+    ports = {name: free_port() for name in ("duo", "busy", "blocked", "ray")}
     serving = socket.create_server(("127.0.0.1", ports["busy"]))
     accepted: list[str] = []
 
@@ -91,15 +93,26 @@ def test_groups_that_reach_their_head_pass_and_a_worker_that_cannot_is_refused(t
             "duo": group("duo", ports["duo"], ["duo-1", "duo-2"]),
             "busy": group("busy", ports["busy"], ["busy-1", "busy-2"]),
             "blocked": group("blocked", ports["blocked"], ["blocked-1", "blocked-2"]),
+            # launch ray: the 0.32.0 line's lock pins Ray, the 0.20.2 line's does not
+            "ray": group("ray", free_port(), ["ray-1", "ray-2"], mlafleet_serving_group_launch="ray",
+                         mlafleet_serving_group_ray_port=ports["ray"], preflight_lock_file=str(LOCKS / "vllm-0.32.0.txt")),
+            "rayold": group("rayold", free_port(), ["rayold-1", "rayold-2"], mlafleet_serving_group_launch="ray",
+                            preflight_lock_file=str(LOCKS / "vllm-0.20.2.txt")),
         })
     finally:
         held.close()
         serving.close()
-    for name in ("solo", "duo-1", "duo-2", "busy-1", "busy-2", "blocked-1"):
+    for name in ("solo", "duo-1", "duo-2", "busy-1", "busy-2", "blocked-1", "ray-1", "ray-2"):
         assert rows[name]["status"] == "ok", (name, rows[name]["cause"])
     assert rows["blocked-2"]["status"] == "failed"
     assert (f"member blocked-2 cannot reach the head blocked-1 at 127.0.0.1:{ports['blocked']} "
             f"(from 127.0.0.1 over lo): Connection refused, tried for 3 s") in rows["blocked-2"]["cause"]
+
+    for name in ("rayold-1", "rayold-2"):
+        assert ("serving group rayold: launch ray runs Ray from the release, and its lock file vllm-0.20.2.txt pins "
+                "no ray (ray==<version>): pin Ray in the release line's lock, or launch native") in rows[name]["cause"]
+    # a Ray group's worker proves the master port and the Ray port
+    assert sorted(facts["ray-2"]["member"]["probe"]["reached"]) == sorted([facts["ray-2"]["member"]["master_port"], ports["ray"]])
 
     assert facts["solo"]["member"] == {}
     head, worker = facts["duo-1"]["member"], facts["duo-2"]["member"]
@@ -113,7 +126,7 @@ def test_groups_that_reach_their_head_pass_and_a_worker_that_cannot_is_refused(t
     assert facts["busy-1"]["member"]["probe"]["ports"][str(ports["busy"])].startswith("in use")
     acceptor.join(5)
     assert accepted == ["127.0.0.1"]
-    assert sorted(facts["solo"]["groups"]) == ["blocked", "busy", "duo"]
+    assert sorted(facts["solo"]["groups"]) == ["blocked", "busy", "duo", "ray", "rayold"]
     assert facts["solo"]["groups"]["duo"]["members"] == ["duo-1", "duo-2"]
 
 
