@@ -13,6 +13,7 @@ controller's Python (the tests that need nothing beyond the controller's pinned 
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -69,12 +70,25 @@ def test_galaxy_metadata_names_the_collection_and_what_the_roles_use() -> None:
     assert used - {"ansible.builtin", "mlafleet.fleet"} == set(GALAXY["dependencies"])
 
 
+def test_the_checkout_is_the_collection_under_a_version_of_its_own() -> None:
+    """collections/ansible_collections/mlafleet/fleet is the checkout's content (its names resolve to
+    the checkout), as version 0.0.0+checkout: never the release's version, so that ansible-galaxy,
+    which counts the checkout among the installed collections, installs a release tarball beside it."""
+    link = REPO / "collections" / "ansible_collections" / "mlafleet" / "fleet"
+    manifest = json.loads((link / "MANIFEST.json").read_text(encoding="utf-8"))["collection_info"]
+    assert (manifest["namespace"], manifest["name"]) == (GALAXY["namespace"], GALAXY["name"])
+    assert manifest["version"] == "0.0.0+checkout" != GALAXY["version"]
+    assert manifest["dependencies"] == GALAXY["dependencies"]
+    for part in ("roles", "playbooks", "plugins", "meta", "files", "requirements"):
+        assert (link / part).resolve() == REPO / part, part
+
+
 def test_the_tarball_holds_only_ansible_content(tarball: Path) -> None:
     with tarfile.open(tarball) as tar:
         names = tar.getnames()
     tops = {n.split("/")[0] for n in names}
     assert {"roles", "playbooks", "plugins", "meta", "MANIFEST.json", "FILES.json", "README.md"} <= tops
-    for outside in ("tests", "molecule", "bench", "mlafleet", "scripts", "inventory", "build", "reports",
+    for outside in ("tests", "molecule", "bench", "scripts", "inventory", "build", "reports",
                     "collections", ".lab", ".dev", ".venv", ".git", ".ci", "Makefile", "pyproject.toml"):
         assert outside not in tops, outside
     assert not [n for n in names if n.endswith((".png", ".log", ".pyc"))]
@@ -90,16 +104,58 @@ def test_the_tarball_holds_only_ansible_content(tarball: Path) -> None:
         assert f"roles/{role}/meta/argument_specs.yml" in names, role
     for playbook in ("site", "rollback"):
         assert f"playbooks/{playbook}.yml" in names
-    # every member, listed: Ansible content, the patch sets and lock files it reads, and its docs;
-    # no test, lab, bench or Python package file anywhere below
-    assert tops == {"roles", "playbooks", "plugins", "meta", "files", "requirements", "docs",
+    # every member, listed: Ansible content, the patch sets and lock files it reads, its docs, and
+    # the controller modules its roles and plugins run (below); no test, lab, bench file anywhere
+    assert tops == {"roles", "playbooks", "plugins", "meta", "files", "requirements", "docs", "mlafleet",
                     "MANIFEST.json", "FILES.json", "README.md", "CHANGELOG.md"}, sorted(tops)
     assert {n.split("/")[1] for n in names if n.startswith("files/") and n.count("/") >= 1 and n != "files/"} == {"vllm"}
-    assert not [n for n in names if set(n.split("/")) & {"tests", "test", "bench", "molecule", "lab", "mlafleet",
+    assert not [n for n in names if set(n.split("/")) & {"tests", "test", "bench", "molecule", "lab",
                                                          "inventory", "scripts", "build", "__pycache__"}]
     assert not [n for n in names if n.rsplit("/", 1)[-1].startswith(("test_", "conftest"))]
     python = [n for n in names if n.endswith(".py")]
-    assert python and all(n.startswith(("plugins/", "files/vllm/")) or re.match(r"roles/\w+/files/", n) for n in python), python
+    assert python and all(n.startswith(("plugins/", "files/vllm/", "mlafleet/ops/", "mlafleet/__init__"))
+                          or re.match(r"roles/\w+/files/", n) for n in python), python
+    # of the mlafleet package, exactly what the perf gate and the report callback import (nothing of
+    # the CLI, the runner, the lab ...), and the report's template
+    with tarfile.open(tarball) as tar:
+        shipped = {m.name for m in tar.getmembers() if m.isfile() and m.name.startswith("mlafleet/")}
+    assert shipped == controller_modules() | {"mlafleet/ops/templates/report.html.j2"}, sorted(shipped)
+
+
+def controller_modules(roots: tuple[str, ...] = ("mlafleet.ops.perfgate", "mlafleet.ops.report")) -> set[str]:
+    """The mlafleet files that the modules the collection runs on the controller import, at any depth
+    (imports inside functions too), with the __init__.py of every package on the way."""
+    seen: set[str] = set()
+    todo = list(roots)
+    while todo:
+        name = todo.pop()
+        parts = name.split(".")
+        for depth in range(1, len(parts)):
+            seen.add("/".join(parts[:depth]) + "/__init__.py")
+        path = "/".join(parts) + ".py"
+        if path in seen:
+            continue
+        seen.add(path)
+        for node in ast.walk(ast.parse((REPO / path).read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                todo += [a.name for a in node.names if a.name.split(".")[0] == "mlafleet"]
+            elif isinstance(node, ast.ImportFrom) and node.level:
+                base = ".".join(parts[:-node.level] + ([node.module] if node.module else []))
+                todo += [f"{base}.{a.name}" if (REPO / base.replace(".", "/") / f"{a.name}.py").is_file() else base
+                         for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "mlafleet":
+                todo += [f"{node.module}.{a.name}" if (REPO / node.module.replace(".", "/") / f"{a.name}.py").is_file()
+                         else node.module for a in node.names]
+    return {p for p in seen if (REPO / p).is_file()}
+
+
+def test_controller_modules_follows_every_kind_of_import() -> None:
+    """The closure above sees what the tarball must carry: the report the runner imports inside a
+    function, the ones the CLI imports by relative or absolute name, every package's __init__.py."""
+    closure = controller_modules(("mlafleet.ops.runner",))
+    assert {"mlafleet/__init__.py", "mlafleet/ops/__init__.py", "mlafleet/ops/runner.py", "mlafleet/ops/report.py"} <= closure
+    assert controller_modules() >= {"mlafleet/ops/perfgate.py", "mlafleet/ops/report.py"}
+    assert "mlafleet/ops/runner.py" not in controller_modules()
 
 
 PLAYBOOK = """
@@ -198,7 +254,7 @@ def test_the_installed_collection_runs_a_playbook_of_fully_qualified_names(tarba
                           env=clean_env(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     installed = collections / "ansible_collections" / "mlafleet" / "fleet"
-    assert (installed / "MANIFEST.json").is_file() and not (installed / "tests").exists()
+    assert (installed / "MANIFEST.json").is_file() and not (installed / "tests").exists(), done.stdout + done.stderr
 
     work = tmp_path / "elsewhere"  # outside the checkout: no ansible.cfg, no roles/, no collections/ link
     (work / "origin").mkdir(parents=True)
@@ -265,6 +321,98 @@ def test_the_installed_collection_runs_a_playbook_of_fully_qualified_names(tarba
     assert {"name": "vllm_server_hots", "where": "extra variable", "closest": "vllm_server_host"} in result["unknown"]
 
 
+def bare_python(venv: Path) -> Path:
+    """A Python with Ansible and nothing of mlafleet: a venv that sees the controller venv's packages
+    through a plain .pth line (whose own .pth files, among them the editable mlafleet install's
+    finder, Python does not read), with an ansible-playbook of its own, like a venv that holds only
+    `ansible`."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    controller = next(p for p in map(Path, sys.path) if p.name == "site-packages" and (p / "ansible").is_dir())
+    Path(purelib, "controller-packages.pth").write_text(f"{controller}\n", encoding="utf-8")
+    script = venv / "bin" / "ansible-playbook"
+    script.write_text(f"#!{python}\nimport sys\nfrom ansible.cli.playbook import main\nsys.exit(main())\n")
+    script.chmod(0o755)
+    return python
+
+
+PERF_PLAY = """
+- name: The installed collection's perf gate on the controller itself
+  hosts: all
+  gather_facts: false
+  vars:
+    mlafleet_run_id: "{{ mlafleet_run }}"
+  roles:
+    - role: mlafleet.fleet.perf_gate
+      vars:
+        perf_gate_root: "{{ scratch }}/root"
+        perf_gate_base_url: "{{ url }}"
+        perf_gate_model: tiny
+        perf_gate_release: rel-a
+        perf_gate_workload: {input_len: 16, output_len: 8, num_prompts: 4, concurrency: 2, warmup: 1}
+        perf_gate_repeats: 2
+        perf_gate_thresholds: {itl_p50_ms: 50}
+"""
+
+
+def test_installed_from_the_checkout_it_runs_the_perf_gate_and_the_report_from_an_empty_directory(
+        tarball: Path, tmp_path: Path) -> None:
+    """`ansible-galaxy collection install -p DIR TARBALL` typed inside the checkout installs (the
+    checkout's own collections/ entry is not the released version); then, from an empty working
+    directory, with a Python that has no mlafleet package and no ansible.cfg, the collection's
+    perf_gate role decides with its own mlafleet.ops.perfgate, the mlafleet_report callback (enabled
+    by its full name) renders the page with its own mlafleet.ops.report, and every report lands in
+    the working directory's reports/, none in the installed collection."""
+    from perf_support import FakeVLLM
+    from weights_support import serving
+
+    collections = tmp_path / "collections"
+    done = subprocess.run([str(BIN / "ansible-galaxy"), "collection", "install", "--offline", "-p", str(collections),
+                           str(tarball)], capture_output=True, text=True, check=False, timeout=300, cwd=REPO,
+                          env=clean_env(tmp_path))  # the checkout's ansible.cfg, as a user in the clone has it
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"mlafleet.fleet:{GALAXY['version']} was installed successfully" in done.stdout, done.stdout + done.stderr
+    installed = collections / "ansible_collections" / "mlafleet" / "fleet"
+    assert (installed / "MANIFEST.json").is_file() and (installed / "mlafleet" / "ops" / "perfgate.py").is_file()
+
+    python = bare_python(tmp_path / "venv")
+    bare = subprocess.run([str(python), "-c", "import ansible, jinja2; import mlafleet"], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin"}, cwd=tmp_path, check=False)
+    assert bare.returncode == 1 and "No module named 'mlafleet'" in bare.stderr, bare.stderr
+
+    work = tmp_path / "work"  # the empty working directory
+    work.mkdir()
+    (tmp_path / "play.yml").write_text(PERF_PLAY, encoding="utf-8")
+    (tmp_path / "root" / "releases" / "rel-a").mkdir(parents=True)
+    (tmp_path / "hosts.yml").write_text(f"all:\n  hosts:\n    h1:\n      ansible_connection: local\n"
+                                        f"      ansible_python_interpreter: {python}\n      ansible_become: false\n")
+    env = clean_env(tmp_path, ANSIBLE_COLLECTIONS_PATH=str(collections), ANSIBLE_COLLECTIONS_SCAN_SYS_PATH="false",
+                    ANSIBLE_CALLBACKS_ENABLED="mlafleet.fleet.mlafleet_report")
+    env["PATH"] = f"{python.parent}{os.pathsep}/usr/bin:/bin"
+    for name in ("PYTHONPATH", "MLAFLEET_REPORT_ROOT", "VIRTUAL_ENV"):
+        env.pop(name, None)
+    with serving(FakeVLLM()) as server:
+        done = subprocess.run([str(python.parent / "ansible-playbook"), "-i", str(tmp_path / "hosts.yml"),
+                               str(tmp_path / "play.yml"), "-e", "mlafleet_run=coll-1",
+                               "-e", json.dumps({"scratch": str(tmp_path), "url": f"http://127.0.0.1:{server.server_address[1]}",
+                                                 "__perf_gate_client": str(tmp_path / "perf-bench")})],
+                              capture_output=True, text=True, check=False, timeout=600, cwd=work, env=env)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert "No module named" not in out and "could not write the report" not in out, out[-4000:]
+    run_dir = work / "reports" / "coll-1"
+    verdict = json.loads((run_dir / "perf" / "h1.json").read_text())
+    assert verdict["status"] == "baseline" and verdict["release"] == "rel-a"
+    assert [p.name for p in (tmp_path / "root" / "releases" / "rel-a" / "perf").iterdir()] == [f"{verdict['workload_key']}.json"]
+    assert json.loads((run_dir / "timeline.json").read_text())["hosts"]["h1"]
+    assert f"rollout report: {run_dir / 'index.html'}" in done.stdout
+    assert "h1" in (run_dir / "index.html").read_text()
+    # the installed collection holds what it held: no reports, nothing compiled into it
+    assert not [p for p in installed.rglob("*") if p.name in ("reports", "__pycache__")]
+
+
 def makefile_sanity_tests() -> tuple[str, ...]:
     """The Makefile's SANITY_TESTS (what `make lint` runs): the tests that run offline on the
     controller's Python, those without requirements of their own."""
@@ -319,8 +467,11 @@ def test_docs_name_every_role_module_plugin_and_playbook() -> None:
     names += [p.stem for p in (REPO / "plugins" / "modules").glob("*.py")]
     names += [p.stem for p in (REPO / "plugins" / "callback").glob("*.py")]
     names += [p.stem for p in (REPO / "plugins" / "action").glob("*.py")]
+    names += [p.stem for p in (REPO / "plugins" / "lookup").glob("*.py")]
     for path in (REPO / "plugins" / "filter").glob("*.py"):
         names += re.findall(r'"([a-z_]+)": ', path.read_text(encoding="utf-8").split("def filters", 1)[1])
     missing = [n for n in names if f"`{n}`" not in text and f"mlafleet.fleet.{n}`" not in text]
     assert not missing, f"docs/layout.md does not name {missing}"
     assert "plugins/module_utils/digest.py" in text
+    for path in (REPO / "plugins" / "plugin_utils").glob("*.py"):
+        assert f"plugins/plugin_utils/{path.name}" in text, path.name

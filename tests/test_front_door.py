@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -71,3 +72,25 @@ def test_site_yml_refuses_a_controller_without_rsync_before_any_host(tmp_path: P
     assert run.returncode != 0, out[-3000:]
     assert "the controller lacks rsync" in out and "make prereqs" in out
     assert "UNREACHABLE" not in out and "canary-1" not in out.split("PLAY RECAP")[-1], out[-3000:]
+
+
+def test_the_readme_names_the_disk_make_test_warns_at() -> None:
+    """The README's two disk figures are the ones `make check-disk` warns at (a fresh machine, one with
+    the lab images and wheels cached), and it does not call the lab image offline (debootstrap reads
+    Debian's mirror)."""
+    readme = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
+    makefile = (REPO / "Makefile").read_text(encoding="utf-8")
+    fresh = int(re.search(r"^DISK_FRESH_GB := (\d+)$", makefile, re.M)[1])
+    cached = int(re.search(r"^DISK_CACHED_GB := (\d+)$", makefile, re.M)[1])
+    assert f"about {fresh} GB free on a machine that has built nothing yet" in readme
+    assert f"about {cached} GB once the lab images and the lab releases' wheels are cached" in readme
+    recipe = makefile.split("\ncheck-disk:\n", 1)[1].split("\n\n", 1)[0]
+    assert "$(DISK_FRESH_GB)" in recipe and "$(DISK_CACHED_GB)" in recipe and "scripts/check-disk $$need" in recipe
+    # a fresh machine (no wheel cache: docker is not even asked) gets the larger figure
+    dry = subprocess.run(["make", "-s", "-n", "check-disk"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    script = dry.stdout.replace("\\\n", " ").replace("scripts/check-disk", "echo")
+    shown = subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "MLAFLEET_CACHE": "/nonexistent"})
+    assert shown.stdout.split() == [str(fresh), "make", "test"], shown.stdout + shown.stderr
+    assert "offline" not in readme.split("## Two commands", 1)[1].split("## Against a real fleet", 1)[0]
+    assert "debootstrap` from Debian's mirror" in readme

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from mlafleet.lab import containers as lab
@@ -31,6 +34,49 @@ def test_inventory_names_every_host_and_links_the_lab_vars(tmp_path: Path):
     assert group["vars"]["ansible_connection"] == "ssh" and group["vars"]["mlafleet_lab"] is True
     lab_vars = yaml.safe_load((path.parent / "group_vars" / "all.yml").read_text())
     assert lab_vars["preflight_require_gpu"] is False  # CPU lab hosts say so
+    assert group["vars"]["lab_checkout"] == str(lab.REPO)
+
+
+MODEL_SRC_PLAY = """
+- hosts: all
+  gather_facts: false
+  tasks:
+    - ansible.builtin.copy:
+        dest: "{{ out }}"
+        content: "{{ vllm_server_model_src }}"
+        mode: "0644"
+      delegate_to: localhost
+"""
+
+
+def test_the_lab_serves_the_model_of_its_own_checkout_wherever_the_roles_come_from(tmp_path: Path):
+    """vllm_server_model_src is the lab checkout's .lab/models/tiny-llama/ (from the inventory, or
+    molecule's project directory), not a path beside the roles (an installed collection has none);
+    with neither, the run stops naming what is missing."""
+    path = tmp_path / "inv" / "hosts.yml"
+    lab.write_inventory_file(path, [lab.Host("lab1", "mlafleet-lab-1", 32001, "172.20.0.2")])
+    (tmp_path / "play.yml").write_text(MODEL_SRC_PLAY)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ANSIBLE_", "MOLECULE_"))}
+    bin_dir = Path(sys.executable).parent
+
+    def model_src(inventory: Path, **extra_env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(bin_dir / "ansible-playbook"), "-i", str(inventory), str(tmp_path / "play.yml"),
+                               "-e", f"out={tmp_path / 'src.txt'}"], cwd=tmp_path, env={**env, **extra_env},
+                              capture_output=True, text=True, timeout=300, check=False)
+
+    done = model_src(path)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert (tmp_path / "src.txt").read_text() == f"{lab.REPO}/.lab/models/tiny-llama/"
+    # a molecule scenario's inventory: no lab_checkout, the project directory in the environment
+    bare = tmp_path / "molecule" / "hosts.yml"
+    bare.parent.mkdir()
+    bare.write_text("all:\n  hosts:\n    h1: {}\n")
+    (bare.parent / "group_vars").symlink_to(lab.RECIPE_DIR / "group_vars")
+    done = model_src(bare, MOLECULE_PROJECT_DIRECTORY="/srv/clone")
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert (tmp_path / "src.txt").read_text() == "/srv/clone/.lab/models/tiny-llama/"
+    done = model_src(bare)
+    assert done.returncode != 0 and "lab_checkout is not set: `mlafleet lab up` writes it" in done.stdout, done.stdout
 
 
 def test_tiny_llama_is_deterministic_and_fits_cpu_attention(tmp_path: Path):
@@ -104,3 +150,70 @@ def test_outdated_images_go_children_first_so_their_layers_are_freed(tmp_path: P
         for ref in (f"{child}:old000000000", f"{child}:latest", f"{parent}:old000000000", f"{parent}:latest",
                     f"{parent}:new000000000"):
             lab.sh("docker", "image", "rm", "-f", ref, check=False)
+
+
+def _inspected(labels: dict | None, key_source: str | None, running: bool = False) -> dict:
+    """The parts of `docker inspect`'s answer for one container that ownership reads."""
+    mounts = [{"Type": "bind", "Source": "/sys/fs/cgroup", "Destination": "/sys/fs/cgroup"}]
+    if key_source:
+        mounts.append({"Type": "bind", "Source": key_source, "Destination": "/root/.ssh/authorized_keys"})
+    return {"Name": "/mlafleet-lab-1", "Config": {"Labels": labels}, "Mounts": mounts, "State": {"Running": running}}
+
+
+def test_a_lab_container_is_owned_by_the_checkout_it_was_made_for(tmp_path: Path):
+    """The label names the checkout; a container made before the label existed is known by its key's
+    bind mount (.lab/ssh/id_ed25519.pub of the checkout that started it)."""
+    other = tmp_path / "other-clone"
+    labelled = _inspected({"mlafleet.lab": "lab", lab.CHECKOUT_LABEL: str(other)}, f"{other}/.lab/ssh/id_ed25519.pub")
+    assert lab.container_owner(labelled) == other
+    assert lab.container_owner(_inspected({"mlafleet.lab": "lab"}, f"{other}/.lab/ssh/id_ed25519.pub")) == other
+    assert lab.container_owner(_inspected({"mlafleet.lab": "lab"}, None)) is None
+    assert lab.container_owner(_inspected(None, None)) is None
+    assert lab.container_owner(_inspected({lab.CHECKOUT_LABEL: str(lab.REPO)}, None)) == lab.REPO
+
+
+def test_up_keeps_its_own_container_recreates_a_dead_checkouts_and_refuses_a_live_ones(tmp_path: Path):
+    """Real containers (created, never started) labelled as `mlafleet lab up` labels them: this
+    checkout's is kept; one of a checkout that was deleted goes (docker start of it fails on the
+    missing key file); one of a checkout that still exists is refused, naming it and the command
+    that frees it, and kept."""
+    lab.ensure_docker()
+    image = "mlafleet-test-owner:latest"
+    _tiny_image(image, "owner", tmp_path)
+    live, dead = tmp_path / "live-clone", tmp_path / "deleted-clone"
+    (live / ".lab" / "ssh").mkdir(parents=True)
+    (live / ".lab" / "ssh" / "id_ed25519.pub").write_text("ssh-ed25519 AAAA test\n")
+    names = {"ours": "mlafleet-ownertest-1", "dead": "mlafleet-ownertest-2", "live": "mlafleet-ownertest-3",
+             "old": "mlafleet-ownertest-4"}
+    owners = {"ours": lab.REPO, "dead": dead, "live": live}
+    try:
+        for kind in ("ours", "dead", "live"):
+            key = owners[kind] / ".lab" / "ssh" / "id_ed25519.pub"
+            lab.sh("docker", "create", "--name", names[kind], "--label", "mlafleet.lab=ownertest",
+                   "--label", f"{lab.CHECKOUT_LABEL}={owners[kind]}", "--mount",
+                   f"type=bind,source={key if key.exists() else '/etc/hostname'},target=/root/.ssh/authorized_keys",
+                   image, "/marker")
+        # one made before the label existed, bound to the deleted clone's key: known by that mount
+        lab.sh("docker", "create", "--name", names["old"], "--label", "mlafleet.lab=ownertest", "-v",
+               f"{dead}/.lab/ssh/id_ed25519.pub:/root/.ssh/authorized_keys:ro", image, "/marker")
+        # another live checkout's among them: refused before anything is removed
+        with pytest.raises(lab.LabError) as refused:
+            lab.claim(list(names.values()))
+        message = str(refused.value)
+        assert f"{names['live']} belongs to the lab of another checkout, {live}" in message
+        assert f"cd {live} && make lab-down" in message and f"docker rm -f {names['live']}" in message
+        assert "Nothing was started or removed" in message
+        assert all(lab.container_exists(c) for c in names.values())
+        # without it: this checkout's kept, the dead checkouts' removed, none missing
+        states = lab.claim([names["ours"], names["dead"], names["old"], "mlafleet-ownertest-none"])
+        assert states == {names["ours"]: "stopped", names["dead"]: "missing", names["old"]: "missing",
+                          "mlafleet-ownertest-none": "missing"}
+        assert lab.container_exists(names["ours"])
+        assert not lab.container_exists(names["dead"]) and not lab.container_exists(names["old"])
+        # down removes this checkout's lab, not the live checkout's container of the same lab name
+        lab.down("ownertest", quiet=True)
+        assert not lab.container_exists(names["ours"]) and lab.container_exists(names["live"])
+    finally:
+        for container in names.values():
+            lab.sh("docker", "rm", "-f", container, check=False)
+        lab.sh("docker", "image", "rm", "-f", image, check=False)

@@ -60,3 +60,39 @@ def test_driver_branch_older_than_the_gpu_generation_needs_is_refused(tmp_path: 
     assert "compute capability unknown) is Blackwell and needs branch R570" in got["lspci-550"]["cause"]
     for name in ("h200-550", "blackwell-570", "gb10-580"):
         assert got[name]["status"] == "ok", (name, got[name]["cause"])
+
+
+def test_gpu_facts_with_a_misnamed_or_missing_key_are_refused_by_name(tmp_path: Path) -> None:
+    """nvidia_driver_gpus written by hand with nvidia-smi's field name (compute_cap) or without a name:
+    the host fails with what is wrong and what a GPU entry holds, not with a template error."""
+    misnamed = {k: v for k, v in BLACKWELL.items() if k != "compute_capability"} | {"compute_cap": "12.0"}
+    cases = {
+        "misnamed": [misnamed],
+        "nameless": [H200, {"index": 1, "compute_capability": "9.0"}],
+        "not-a-dict": ["NVIDIA H200"],
+        "bad-cc": [H200 | {"compute_capability": "twelve"}],
+        "good": [BLACKWELL, LSPCI],
+    }
+    hosts = "".join(
+        f"    {name}: {json.dumps({'ansible_connection': 'local', 'ansible_python_interpreter': sys.executable, 'nvidia_driver_gpus': gpus})}\n"
+        for name, gpus in cases.items())
+    inv = tmp_path / "inventory.yml"
+    inv.write_text("all:\n  vars:\n    preflight_os: {id: Debian, version_id: '12', major: '12', codename: bookworm}\n"
+                   f"  hosts:\n{hosts}")
+    (tmp_path / "validate.yml").write_text(PLAY)
+    report = runner.run_playbook("plan", [inv], run="nvgpus", out=io.StringIO(), playbook=str(tmp_path / "validate.yml"),
+                                 runner_root=tmp_path / "runner", report_root=tmp_path / "reports")
+    got = {h["host"]: h for h in report["hosts"]}
+    assert got["good"]["status"] == "ok", got["good"]["cause"]
+    for name in ("misnamed", "nameless", "not-a-dict", "bad-cc"):
+        cause = got[name]["cause"]
+        assert got[name]["status"] == "failed", name
+        assert f"nvidia_driver_gpus on {name}" in cause and "nothing was changed" in cause, cause
+        assert "index, name, compute_capability" in cause, cause  # what an entry holds
+        assert "template" not in cause.lower() and "has no attribute" not in cause, cause
+    assert ("GPU 0 (NVIDIA RTX PRO 6000 Blackwell Workstation Edition): lacks compute_capability"
+            in got["misnamed"]["cause"]), got["misnamed"]["cause"]
+    assert "unknown key compute_cap (did you mean compute_capability?)" in got["misnamed"]["cause"]
+    assert "GPU 1: lacks name" in got["nameless"]["cause"] and "GPU 0" not in got["nameless"]["cause"]
+    assert 'GPU 0 is not a mapping: "NVIDIA H200"' in got["not-a-dict"]["cause"], got["not-a-dict"]["cause"]
+    assert "GPU 0 (NVIDIA H200): compute_capability 'twelve' is neither" in got["bad-cc"]["cause"], got["bad-cc"]["cause"]

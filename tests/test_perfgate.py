@@ -2,7 +2,7 @@
 
 The client runs against a real HTTP server of ours on 127.0.0.1 that speaks the parts of vLLM's
 OpenAI API the client uses (/tokenize, streamed /v1/completions) and streams tokens with known
-delays, so the metrics can be checked against what they must be.
+delays, so the metrics can be checked against what they must be (tests/perf_support.py).
 """
 
 from __future__ import annotations
@@ -13,12 +13,10 @@ import io
 import json
 import subprocess
 import sys
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from perf_support import ITL_S, TTFT_S, FakeVLLM
 from weights_support import serving
 
 from mlafleet.ops import perfgate
@@ -179,73 +177,6 @@ def test_cli_reads_stdin_and_exits_2_on_bad_input():
 
 
 # --- the client -------------------------------------------------------------------------
-
-TTFT_S, ITL_S = 0.12, 0.03
-
-
-class FakeVLLM(ThreadingHTTPServer):
-    """vLLM's /tokenize and streamed /v1/completions, with fixed delays; remembers every request."""
-
-    daemon_threads = True
-
-    def __init__(self, fail_every: int = 0, itl_s: float = ITL_S):
-        super().__init__(("127.0.0.1", 0), Handler)
-        self.itl_s = itl_s
-        self.completions: list[dict] = []
-        self.in_flight = 0
-        self.most_in_flight = 0
-        self.fail_every = fail_every
-        self.lock = threading.Lock()
-
-
-class Handler(BaseHTTPRequestHandler):
-    server: FakeVLLM
-
-    def log_message(self, *args):
-        pass
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if self.path == "/tokenize":
-            tokens = [1000 + (sum(map(ord, w)) % 200) for w in body["prompt"].split()]
-            return self._json({"tokens": tokens, "count": len(tokens), "max_model_len": 1024})
-        with self.server.lock:
-            self.server.completions.append(body)
-            n = len(self.server.completions)
-            self.server.in_flight += 1
-            self.server.most_in_flight = max(self.server.most_in_flight, self.server.in_flight)
-        if self.server.fail_every and n % self.server.fail_every == 0:
-            self._done()
-            return self._json({"error": "engine dead"}, 500)
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        time.sleep(TTFT_S)
-        for i in range(body["max_tokens"]):
-            if i:
-                time.sleep(self.server.itl_s)
-            self._event({"choices": [{"index": 0, "text": f"t{i}"}]})
-        self._done()  # before the client can see the end of its stream and send the next request
-        self._event({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]),
-                                              "completion_tokens": body["max_tokens"]}})
-        self.wfile.write(b"data: [DONE]\n\n")
-
-    def _done(self):
-        with self.server.lock:
-            self.server.in_flight -= 1
-
-    def _event(self, obj):
-        self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-        self.wfile.flush()
-
-    def _json(self, obj, code=200):
-        data = json.dumps(obj).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
 
 def bench(server: FakeVLLM, workload: dict, repeats: int = 2) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(CLIENT), f"--base-url=http://127.0.0.1:{server.server_address[1]}",

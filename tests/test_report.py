@@ -54,6 +54,9 @@ def test_rendered_from_the_recorded_run(run_dir):
         row = re.search(rf'<tr id="row-{host["host"]}">(.*?)</tr>', html, re.S)
         assert row, host["host"]
         assert f">{host['status']}</span>" in row.group(1)
+    # The recorded run.json is an older mlafleet's: its rc was ansible-playbook's, and is named so.
+    assert recorded["rc"] == 2 and "playbook_rc" not in recorded
+    assert "; ansible-playbook rc 2</td>" in html and "exit status 2" not in html
     h3_row = re.search(rf'<tr id="row-{H3}">(.*?)</tr>', html, re.S).group(1)
     assert "rolled back" in h3_row and "TTFT p99 up" in h3_row
     # The perf gate per host: the verdict, the metric table and one plot per metric.

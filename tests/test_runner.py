@@ -296,6 +296,44 @@ def test_secrets_never_land_in_reports(scratch):
         assert (path.stat().st_mode & 0o777) == 0o600, path
 
 
+def test_every_report_and_artifact_file_is_private(scratch):
+    """What the docs promise: 0600 files in 0700 directories, the HTML report, the timeline and
+    ansible-runner's artifacts (its stdout, job events, command line) included."""
+    report = run(scratch, LOCK_PLAY, "modes-1")
+    assert report["rc"] == 0, report["_out"]
+    report_dir, pdd = scratch["reports"] / "modes-1", scratch["runner"] / "modes-1"
+    written = {p.name for p in report_dir.iterdir()}
+    assert {"run.json", "summary.txt", "timeline.json", "index.html"} <= written, written
+    assert (pdd / "artifacts" / "modes-1" / "stdout").is_file()
+    loose = []
+    for root in (report_dir, pdd):
+        for path in [root, *root.rglob("*")]:
+            if path.is_symlink():
+                continue
+            want = 0o700 if path.is_dir() else 0o600
+            if path.stat().st_mode & 0o777 != want:
+                loose.append(f"{path} {oct(path.stat().st_mode & 0o777)}")
+    assert not loose, loose
+
+
+def test_one_exit_status_in_the_cli_the_summary_and_the_html(scratch, capsys, monkeypatch):
+    """The CLI's exit status is the `exit` its summary and the HTML header print; ansible-playbook's
+    own return code is named as such."""
+    from mlafleet.cli import main
+
+    playbook = scratch["root"] / "fail.yml"
+    playbook.write_text(LEAK_PLAY.replace("{{ gguf_weights_hub_token }} (key {{ vllm_server_api_key }})", "x"))
+    monkeypatch.setenv("MLAFLEET_RUNNER_ROOT", str(scratch["runner"]))
+    monkeypatch.setenv("MLAFLEET_REPORT_ROOT", str(scratch["reports"]))
+    code = main(["rollout", "-i", str(scratch["inventory"]), "--limit", "h1", "--run", "ex-1", "--playbook", str(playbook)])
+    out = capsys.readouterr().out
+    report = json.loads((scratch["reports"] / "ex-1" / "run.json").read_text())
+    assert code == 1 and report["rc"] == 1 and report["playbook_rc"] == 2
+    assert "mlafleet rollout  run ex-1  exit 1 (ansible-playbook rc 2)  status failed" in out
+    html = (scratch["reports"] / "ex-1" / "index.html").read_text()
+    assert "exit status 1 (ansible-playbook rc 2)" in html and "exit status 2" not in html
+
+
 # Live progress: the real task per host, a heartbeat on a long step, the failure cause whole.
 PROGRESS_PLAY = LOCK_PLAY.replace("  serial: 1\n", "") + """\
     - name: Wait for the slow step

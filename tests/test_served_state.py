@@ -212,3 +212,20 @@ def test_the_html_report_names_the_rejected_state_and_the_checksums_before_and_a
     (run_dir / f"{host}.json").write_text(json.dumps(data))
     section = report.render(run_dir).read_text().split(f'id="host-{host}"')[1].split("<section")[0]
     assert "different" in section and "d" * 16 in section
+
+
+def test_a_skipped_perf_gate_is_named_with_its_reason_in_the_html_report(tmp_path: Path) -> None:
+    import shutil
+
+    from mlafleet.ops import report
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(REPO / "tests" / "data" / "rollout-report", run_dir)
+    host = "mlafleet-molecule-rollout-2"
+    message = "the host serves rel-a@0123456789ab as before and its server was not restarted: nothing new to measure"
+    (run_dir / "perf" / f"{host}.json").write_text(json.dumps({"host": host, "status": "skipped",
+                                                                "release": "rel-a@0123456789ab", "message": message,
+                                                                "baseline_release": None, "baseline_measured_at": None}))
+    section = report.render(run_dir).read_text().split(f'id="host-{host}"')[1].split("<section")[0]
+    assert 'Performance gate: <span class="badge s-info">skipped</span>' in section and message in section
+    assert 'class="metrics"' not in section  # nothing measured, no table

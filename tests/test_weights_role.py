@@ -73,12 +73,12 @@ PLAYBOOK = """\
 """
 
 
-def run_role(tmp_path: Path, extra: dict, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+def run_role(tmp_path: Path, extra: dict, *args: str, stdout_callback: str = "json") -> tuple[subprocess.CompletedProcess, dict]:
     playbook = tmp_path / "play.yml"
     playbook.write_text(PLAYBOOK)
     extra_file = tmp_path / "extra.json"
     extra_file.write_text(json.dumps({"ansible_python_interpreter": sys.executable, **extra}))
-    env = {**os.environ, "ANSIBLE_ROLES_PATH": str(REPO / "roles"), "ANSIBLE_STDOUT_CALLBACK": "json",
+    env = {**os.environ, "ANSIBLE_ROLES_PATH": str(REPO / "roles"), "ANSIBLE_STDOUT_CALLBACK": stdout_callback,
            # the role calls the collection's modules and filters by name (mlafleet.fleet.gguf_weights_stage)
            "ANSIBLE_COLLECTIONS_PATH": str(REPO / "collections"),
            "ANSIBLE_LOCAL_TEMP": str(tmp_path / ".ansible-tmp"), "ANSIBLE_NOCOLOR": "1",
@@ -125,6 +125,33 @@ def test_role_stages_merges_and_reruns_without_change(staged_setup, tmp_path: Pa
     assert done.returncode == 0 and stats["changed"] == 0, done.stdout[-3000:]
     done, stats = run_role(tmp_path, extra, "--check")
     assert done.returncode == 0 and stats["changed"] == 0, done.stdout[-3000:]
+
+
+def test_a_corrupt_chunk_is_named_and_fetched_again_at_the_default_verbosity(staged_setup, tmp_path: Path) -> None:
+    """A shard whose stamp matches but whose bytes changed (one flipped byte, size and mtime kept):
+    the spot check's line names it corrupt with its chunk and says it was fetched again."""
+    origin, manifest = staged_setup
+    dest = tmp_path / "models"
+    extra = {"gguf_weights_manifest": str(manifest), "gguf_weights_source": "path",
+             "gguf_weights_path": str(origin), "gguf_weights_root": str(dest), "gguf_weights_reserve_mb": 0}
+    done, _ = run_role(tmp_path, extra)
+    assert done.returncode == 0, done.stdout[-3000:]
+    shard = dest / "tiny-glm" / "tiny-glm-00002-of-00003.gguf"
+    st = shard.stat()
+    with open(shard, "r+b") as handle:
+        handle.seek(100)
+        byte = handle.read(1)
+        handle.seek(100)
+        handle.write(bytes([byte[0] ^ 1]))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    done, _ = run_role(tmp_path, extra, stdout_callback="default")
+    assert done.returncode == 0, done.stdout[-3000:]
+    text = " ".join(done.stdout.split())  # the output as read, wrapped lines joined
+    line = text[text.index("spot check:"):][:300]
+    assert "read and verified" not in line, line
+    assert "2 verified, 1 corrupt: tiny-glm-00002-of-00003.gguf chunk 0 (of 1), fetched again" in line, line
+    assert "1 fetched (path:" in text and "2 already verified" in text
+    assert shard.read_bytes() == (origin / shard.name).read_bytes()
 
 
 def test_role_refuses_a_missing_shard(staged_setup, tmp_path: Path) -> None:

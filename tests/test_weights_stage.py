@@ -454,6 +454,7 @@ def test_every_run_spot_checks_chunks_and_finds_a_silent_flip(chunked, tmp_path:
     assert quick["spot_check"]["bytes"] in {4 * full, 3 * full + tails[0], 3 * full + tails[1],
                                             2 * full + tails[0] + tails[1]}
     assert "4 chunks" in quick["spot_check"]["summary"] and " s" in quick["spot_check"]["summary"]
+    assert "4 verified" in quick["spot_check"]["summary"] and "corrupt" not in quick["spot_check"]["summary"]
     # enough chunks to cover the shard: the flip is found however the picks fall
     every = len(shards[1].chunks)
     with pytest.raises(host.StageError, match=f"1 of 3 shards are missing or corrupt.*spot check failed.*{shards[1].name}"):
@@ -462,8 +463,22 @@ def test_every_run_spot_checks_chunks_and_finds_a_silent_flip(chunked, tmp_path:
     result = host.stage(str(dest), shards, [host.PathSource(str(origin))], spot_chunks=every, log=log.append)
     assert result["fetched"] == [shards[1].name] and result["corrupt"] == [shards[1].name]
     assert result["spot_check"]["failed"] == [shards[1].name]
-    assert any("spot-checked chunk does not match" in line for line in log)
+    assert result["spot_check"]["corrupt"] == [{"shard": shards[1].name, "chunk": 3}]
+    assert any(line.startswith(f"{shards[1].name}: spot-checked chunk 3 does not match") and "fetched again" in line
+               for line in log), log
+    # what the role prints at the default verbosity: the bad chunk named, not called verified
+    summary = result["spot_check"]["summary"]
+    assert "read and verified" not in summary, summary
+    assert f"1 corrupt: {shards[1].name} chunk 3 (of {every}), fetched again" in summary, summary
+    assert f"{result['spot_check']['chunks'] - 1} verified" in summary, summary
     assert_staged(dest, origin, shards)
+    # in check mode nothing is fetched: the summary says what would happen
+    _flip(dest / shards[1].name, 5000 + 3 * (64 << 10))
+    planned = host.stage(str(dest), shards, [host.PathSource(str(origin))], spot_chunks=every, check_mode=True)
+    assert f"{shards[1].name} chunk 3 (of {every}), to be fetched again" in planned["spot_check"]["summary"]
+    # the proof (the role's last check) names the chunk too
+    with pytest.raises(host.StageError, match=f"{shards[1].name} chunk 3 "):
+        host.prove_present(str(dest), shards, spot_chunks=every)
 
 
 def test_random_picks_find_a_flip_in_proportion(chunked, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ assert `report.fits()`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -103,7 +104,8 @@ def compile_for_sm120(fn: Any, signature: dict[str, str], constexprs: dict[str, 
                                  maxnreg)
 
     full_signature = {n: signature.get(n, "constexpr") for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    # sorted: a set iterates in a per-process order, and the attrs are part of Triton's cache key
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sorted(aligned)}
     if gluon:
         from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -131,15 +133,41 @@ def _is_gluon(fn: Any) -> bool:
     return isinstance(fn, GluonJITFunction)
 
 
+def _usage_cache() -> Path:
+    """Where ptxas -v reports are kept: $MLAFLEET_CACHE/ptxas-usage (default ~/.cache/mlafleet).
+    A report is a pure function of the PTX, the target and the ptxas that Triton bundles, so it
+    is looked up by their hash, as Triton caches its own compilations."""
+    root = os.environ.get("MLAFLEET_CACHE") or os.path.join(Path.home(), ".cache", "mlafleet")
+    return Path(root) / "ptxas-usage"
+
+
 def _ptxas_usage(ptx: str, capability: int) -> tuple[int, int, int, int]:
     """Run Triton's ptxas with -v on the PTX: (registers, stack, spill stores, spill loads)."""
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
-    ptxas = get_ptxas(capability).path
+    ptxas = get_ptxas(capability)
+    key = hashlib.sha256(f"{ptxas.version}\0{os.path.getsize(ptxas.path)}\0{capability}\0{ptx}".encode()).hexdigest()
+    cached = _usage_cache() / f"{key}.json"
+    try:
+        return tuple(json.loads(cached.read_text()))  # type: ignore[return-value]
+    except (OSError, ValueError):
+        pass
+    usage = _run_ptxas(ptxas.path, ptx, sm_arch_from_capability(capability), capability)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(usage))
+        os.replace(tmp, cached)
+    except OSError:
+        pass  # a read-only cache only costs time
+    return usage
+
+
+def _run_ptxas(ptxas: str, ptx: str, arch: str, capability: int) -> tuple[int, int, int, int]:
     with tempfile.TemporaryDirectory(prefix="mlafleet-sm120-") as tmp:
         src = Path(tmp) / "kernel.ptx"
         src.write_text(ptx)
-        proc = subprocess.run([ptxas, "-v", f"--gpu-name={sm_arch_from_capability(capability)}",
+        proc = subprocess.run([ptxas, "-v", f"--gpu-name={arch}",
                                str(src), "-o", str(Path(tmp) / "kernel.cubin")],
                               capture_output=True, text=True, check=False)
     log = proc.stdout + proc.stderr

@@ -1,7 +1,8 @@
 """The lab fleet: Debian 12 containers running systemd and sshd, standing in for GPU hosts.
 
 Hosts that cannot exist here (Blackwell GPU servers) are replaced by the closest real thing:
-containers built offline from a debootstrap root filesystem, systemd as PID 1, sshd with a
+containers built from a debootstrap root filesystem (read from Debian's mirror once, then cached
+by recipe hash), systemd as PID 1, sshd with a
 lab key, reached by Ansible over SSH on ports published on 127.0.0.1 only. They have no GPU
 and serve vLLM's CPU build; nothing here pretends to be a GPU.
 
@@ -11,6 +12,12 @@ vllm_install role, for scenarios that do not test installation); with `--lines`,
 `mlafleet-lab-lines:latest` (that image plus a release of every other lab line, `current`
 still on the default line: the molecule scenario `lines`). `mlafleet lab up` / `down` manage a
 fleet and write `inventory/lab/`.
+
+Container names are fixed (mlafleet-<lab>-<n>), so two clones on one machine would share them: each
+container carries the checkout it belongs to (label mlafleet.checkout), whose .lab/ holds the key it
+bind-mounts. `up` keeps this checkout's containers, recreates those of a checkout that no longer
+exists (they cannot start: their key is gone), and refuses those of another checkout that does,
+naming it and the command that frees them; `down` removes only this checkout's (and dead ones).
 """
 
 from __future__ import annotations
@@ -47,6 +54,9 @@ LINES_IMAGE = "mlafleet-lab-lines"
 LAB_LINES = ("0.20.2", "0.32.0")
 # --shm-size: vLLM 0.32.0's engine always runs its multiprocess executor, whose broadcast queue
 # needs 160 MiB of /dev/shm (Docker gives 64 MiB; preflight refuses below preflight_min_shm_mib).
+# The checkout a lab container belongs to (its absolute path), and where it mounts its key.
+CHECKOUT_LABEL = "mlafleet.checkout"
+KEY_MOUNT = "/root/.ssh/authorized_keys"
 CONTAINER_OPTS = ["--tmpfs", "/run", "--tmpfs", "/run/lock", "--shm-size=1g",
                   "-v", "/sys/fs/cgroup:/sys/fs/cgroup:ro", "--stop-signal", "SIGRTMIN+3"]
 
@@ -302,12 +312,87 @@ def wait_ssh(host: Host, timeout: float = 60) -> None:
     raise LabError(f"sshd on {host.name} (127.0.0.1:{host.port}) did not answer in {timeout:.0f}s: {logs.stdout}")
 
 
+def container_owner(inspected: dict) -> Path | None:
+    """The checkout a container belongs to, from `docker inspect`: its label, or for a container made
+    before the label existed, the checkout whose .lab/ssh/id_ed25519.pub it bind-mounts; None when
+    neither says."""
+    label = ((inspected.get("Config") or {}).get("Labels") or {}).get(CHECKOUT_LABEL)
+    if label:
+        return Path(label)
+    for mount in inspected.get("Mounts") or []:
+        source = Path(mount.get("Source") or "")
+        if mount.get("Destination") == KEY_MOUNT and source.parent.parent.name == ".lab":
+            return source.parents[2]
+    return None
+
+
+def container_exists(container: str) -> bool:
+    return sh("docker", "container", "inspect", container, check=False).returncode == 0
+
+
+def claim(containers: list[str]) -> dict[str, str]:
+    """Whether `up` may use each container: "running" or "stopped" (this checkout's), or "missing"
+    (none, or one of a checkout that no longer exists, removed here). Any that belongs to another
+    existing checkout (or names none) is refused first, before anything is removed or started,
+    naming its checkout and the command that frees it (LabError)."""
+    states: dict[str, str] = {}
+    dead: list[tuple[str, Path]] = []
+    refused: list[str] = []
+    for container in containers:
+        found = sh("docker", "container", "inspect", container, check=False)
+        if found.returncode != 0:
+            states[container] = "missing"
+            continue
+        inspected = json.loads(found.stdout)[0]
+        owner = container_owner(inspected)
+        if owner is not None and owner.resolve() == REPO.resolve():
+            states[container] = "running" if (inspected.get("State") or {}).get("Running") else "stopped"
+        elif owner is not None and not owner.exists():
+            dead.append((container, owner))
+            states[container] = "missing"
+        else:
+            lab_name = ((inspected.get("Config") or {}).get("Labels") or {}).get("mlafleet.lab", "lab")
+            if owner is None:
+                refused.append(f"{container} belongs to no checkout it names (made by hand, or by an old mlafleet): "
+                               f"free it with `docker rm -f {container}`")
+            else:
+                refused.append(f"{container} belongs to the lab of another checkout, {owner}: free it with "
+                               f"`cd {owner} && make lab-down` (or `mlafleet lab down --name {lab_name}` there), "
+                               f"or `docker rm -f {container}` (that lab's host stops)")
+    if refused:
+        raise LabError(f"this checkout ({REPO}) cannot use the lab containers of another: " + "; ".join(refused)
+                       + "; then run `mlafleet lab up` again. Nothing was started or removed.")
+    for container, owner in dead:
+        log(f"{container} belonged to {owner}, which no longer exists: removing it to start this checkout's")
+        sh("docker", "rm", "-f", container)
+    return states
+
+
+def free_local_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ssh_publish_args(port: int) -> list[str]:
+    """Publish the container's sshd on 127.0.0.1:`port`, a port fixed when the container is made.
+
+    With `-p 127.0.0.1::22` Docker picks a new port at every `docker start`, so a lab host that
+    was stopped and started again was unreachable until `mlafleet lab up` rewrote the inventory; a
+    port named here stays the container's across restarts, and inventory/lab stays right.
+    """
+    return ["-p", f"127.0.0.1:{port}:22"]
+
+
 def up(count: int = 2, name: str = "lab", image: str = f"{BASE_IMAGE}:latest",
        write_inventory: bool = True) -> list[Host]:
     """Start `count` lab hosts (idempotent: running ones are kept) and return them."""
     if count < 1:
         raise LabError(f"a lab needs at least one host, not {count}")
     ensure_docker()
+    containers = [container_name(name, i) for i in range(1, count + 1)]
+    states = claim(containers)  # another checkout's containers: refused before anything is built or started
     if image == f"{BASE_IMAGE}:latest":
         build_base_image()  # a no-op when the image matches its recipe
     elif image == f"{RELEASE_IMAGE}:latest":
@@ -322,16 +407,15 @@ def up(count: int = 2, name: str = "lab", image: str = f"{BASE_IMAGE}:latest",
     if sh("docker", "network", "inspect", network, check=False).returncode != 0:
         sh("docker", "network", "create", network)
     hosts = []
-    for i in range(1, count + 1):
-        container = container_name(name, i)
-        state = sh("docker", "inspect", "-f", "{{.State.Running}}", container, check=False)
-        if state.returncode != 0:
+    for i, container in enumerate(containers, start=1):
+        state = states[container]
+        if state == "missing":
             log(f"starting {container} from {image}")
             sh("docker", "run", "-d", "--name", container, "--hostname", f"{name}{i}",
-               "--network", network, *CONTAINER_OPTS, "-p", "127.0.0.1::22",
-               "-v", f"{key}.pub:/root/.ssh/authorized_keys:ro",
-               "--label", f"mlafleet.lab={name}", image)
-        elif state.stdout.strip() != "true":
+               "--network", network, *CONTAINER_OPTS, *ssh_publish_args(free_local_port()),
+               "-v", f"{key}.pub:{KEY_MOUNT}:ro",
+               "--label", f"mlafleet.lab={name}", "--label", f"{CHECKOUT_LABEL}={REPO}", image)
+        elif state == "stopped":
             sh("docker", "start", container)
         port = int(sh("docker", "port", container, "22/tcp").stdout.strip().splitlines()[0].rsplit(":", 1)[1])
         address = sh("docker", "inspect", "-f",
@@ -355,7 +439,9 @@ def write_inventory_file(path: Path, hosts: list[Host]) -> None:
     lines += ["      vars:", "        ansible_user: root", "        ansible_connection: ssh",
               f"        ansible_ssh_private_key_file: {KEY}",
               "        ansible_ssh_common_args: -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null",
-              "        mlafleet_lab: true"]
+              "        mlafleet_lab: true",
+              # the checkout whose .lab/ holds the model the lab serves (files/lab/group_vars/all.yml)
+              f"        lab_checkout: {REPO}"]
     path.write_text("\n".join(lines) + "\n")
     link = path.parent / "group_vars"
     if not link.exists():
@@ -363,9 +449,19 @@ def write_inventory_file(path: Path, hosts: list[Host]) -> None:
 
 
 def down(name: str = "lab", quiet: bool = False) -> None:
+    """Remove this checkout's lab `name` (and containers of it whose checkout no longer exists or
+    that name none); another existing checkout's containers of the same name stay, named."""
     if not docker_ready():
         return
-    ids = sh("docker", "ps", "-aq", "--filter", f"label=mlafleet.lab={name}").stdout.split()
+    ids = []
+    for cid in sh("docker", "ps", "-aq", "--filter", f"label=mlafleet.lab={name}").stdout.split():
+        inspected = json.loads(sh("docker", "container", "inspect", cid).stdout)[0]
+        owner = container_owner(inspected)
+        if owner is None or owner.resolve() == REPO.resolve() or not owner.exists():
+            ids.append(cid)
+        else:
+            log(f"kept {inspected.get('Name', cid).lstrip('/')}: it belongs to the lab of {owner} "
+                f"(`cd {owner} && make lab-down` removes it)")
     if ids:
         sh("docker", "rm", "-f", *ids)
     sh("docker", "network", "rm", f"mlafleet-{name}", check=False)

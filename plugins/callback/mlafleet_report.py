@@ -7,6 +7,14 @@ only for mlafleet runs: once the run id is known (the extra variable mlafleet_ru
 mlafleet_run_id fact that playbooks/release.yml sets on the controller). At the end of the
 playbook (also when every host failed, when later plays never start) it writes the timeline
 and renders the HTML report with mlafleet.ops.report from the JSON in the run's report directory.
+
+Enabled in the checkout's ansible.cfg; with the installed collection, enable it by its full name
+(`callbacks_enabled = mlafleet.fleet.mlafleet_report`). The collection carries the two modules of
+the mlafleet package it runs (mlafleet/ops/report.py and its template), so it needs no checkout.
+While the run lasts it keeps timeline.json up to date (at every play, and every few seconds as
+tasks end), so a run that is killed (Ctrl-C: ansible-runner's cancel kills ansible-playbook)
+still leaves what ran until then for `mlafleet rollout` to render. Its files are 0600 in a 0700
+directory, like the rest of reports/<run>/.
 """
 
 from __future__ import annotations
@@ -18,9 +26,12 @@ short_description: Per-host timeline of an mlafleet run and its HTML report (rep
 description:
   - Records, per host, which role ran when (per play and serial batch) with its outcome, and
     writes reports/<run>/timeline.json and reports/<run>/index.html at the end of the playbook.
-  - The report directory's root is $MLAFLEET_REPORT_ROOT, or reports/ beside this repository.
+  - The report directory's root is $MLAFLEET_REPORT_ROOT; else reports/ of the checkout when the
+    collection is a checkout; else reports/ in the working directory (the lookup
+    mlafleet.fleet.mlafleet_report_dir gives the same directory to the playbooks and roles).
 requirements:
-  - enable in ansible.cfg (callbacks_enabled = mlafleet_report)
+  - enable in ansible.cfg (callbacks_enabled = mlafleet_report in the checkout, mlafleet.fleet.mlafleet_report
+    from the installed collection)
 """
 
 import json
@@ -30,8 +41,22 @@ import time
 from pathlib import Path
 
 from ansible.plugins.callback import CallbackBase
+from ansible_collections.mlafleet.fleet.plugins.plugin_utils.report_dir import report_root
 
+# The collection's root: the checkout, or the installed collection, which carries mlafleet/ops/report.py.
 REPO = Path(__file__).resolve().parents[2]
+# Seconds between two saves of the timeline while the run lasts.
+SAVE_EVERY_S = 3.0
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a report file 0600 (the run's report directory is 0700), atomically."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
 
 
 class CallbackModule(CallbackBase):
@@ -50,6 +75,7 @@ class CallbackModule(CallbackBase):
         self.batches: dict[str, int] = {}
         self.hosts: dict[str, list[dict]] = {}
         self.task_start: dict[tuple[str, str], float] = {}
+        self.saved = 0.0
 
     # --- what ran -------------------------------------------------------------------------
     def v2_playbook_on_start(self, playbook):
@@ -68,6 +94,7 @@ class CallbackModule(CallbackBase):
                 self.run_id = extra.get("mlafleet_run") or None
             except AttributeError:
                 pass
+        self._save_timeline()
 
     def v2_runner_on_start(self, host, task):
         self.task_start[(host.get_name(), task._uuid)] = time.time()
@@ -107,6 +134,8 @@ class CallbackModule(CallbackBase):
             msg = str(res.get("msg") or res.get("stderr") or "").strip()
             last["status"] = status
             last["failures"].append({"task": task.get_name(), "msg": msg[:1000]})
+        if now - self.saved >= SAVE_EVERY_S:
+            self._save_timeline()
 
     def v2_runner_on_ok(self, result):
         self._record(result, "changed" if (result._result or {}).get("changed") else "ok")
@@ -121,22 +150,41 @@ class CallbackModule(CallbackBase):
         pass  # the loop's own result follows as v2_runner_on_failed
 
     # --- the report -----------------------------------------------------------------------
+    def _report_dir(self) -> Path:
+        return report_root() / self.run_id
+
+    def _save_timeline(self, stats=None) -> Path | None:
+        """Write timeline.json as it stands (ended: null while the run lasts); never fails the run."""
+        if not self.run_id:
+            return None
+        self.saved = time.time()
+        report_dir = self._report_dir()
+        timeline = {
+            "run": self.run_id, "release": self.release_id, "playbook": self.playbook,
+            "started": self.started, "ended": time.time() if stats is not None else None, "plays": self.plays,
+            "hosts": self.hosts,
+            "stats": ({h: stats.summarize(h) for h in sorted(stats.processed) if h != "localhost"}
+                      if stats is not None else {}),
+        }
+        try:
+            report_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            write_private(report_dir / "timeline.json", json.dumps(timeline, indent=1, sort_keys=True) + "\n")
+        except OSError as exc:
+            self._display.warning(f"mlafleet_report: could not write the timeline in {report_dir}: {exc}")
+            return None
+        return report_dir
+
     def v2_playbook_on_stats(self, stats):
         if not self.run_id:
             return
         if self.plays:
             self.plays[-1]["end"] = time.time()
-        report_dir = Path(os.environ.get("MLAFLEET_REPORT_ROOT") or REPO / "reports") / self.run_id
-        timeline = {
-            "run": self.run_id, "release": self.release_id, "playbook": self.playbook,
-            "started": self.started, "ended": time.time(), "plays": self.plays, "hosts": self.hosts,
-            "stats": {h: stats.summarize(h) for h in sorted(stats.processed) if h != "localhost"},
-        }
+        report_dir = self._save_timeline(stats)
+        if report_dir is None:
+            return
         try:
-            report_dir.mkdir(parents=True, exist_ok=True)
-            (report_dir / "timeline.json").write_text(json.dumps(timeline, indent=1, sort_keys=True) + "\n")
             if str(REPO) not in sys.path:
-                sys.path.insert(0, str(REPO))  # ansible-playbook from outside the controller venv
+                sys.path.insert(0, str(REPO))  # ansible-playbook from outside the controller venv, or installed
             from mlafleet.ops.report import render
 
             path = render(report_dir)

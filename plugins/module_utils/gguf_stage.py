@@ -161,10 +161,16 @@ class SpotCheck:
     bytes: int = 0
     seconds: float = 0.0
     unchecked: list[str] = field(default_factory=list)   # stamped shards without chunk hashes
+    corrupt: list[dict] = field(default_factory=list)     # {shard, chunk, of}: a chunk that does not match
 
-    def summary(self) -> str:
+    def summary(self, fate: str = "fetched again") -> str:
+        """One line for people: what was read, what matched, which chunk did not and what happens to its shard."""
+        good = self.chunks - len(self.corrupt)
         text = (f"spot check: {self.chunks} chunks ({self.bytes / 2**20:.0f} MiB) of {self.shards} stamped "
-                f"shards read and verified in {self.seconds:.2f} s")
+                f"shards read in {self.seconds:.2f} s: {good} verified")
+        if self.corrupt:
+            text += f", {len(self.corrupt)} corrupt: " + "; ".join(
+                f"{c['shard']} chunk {c['chunk']} (of {c['of']}), {fate}" for c in self.corrupt)
         if self.unchecked:
             text += f"; {len(self.unchecked)} shards have no chunk sha256 in the manifest (not spot-checked)"
         return text
@@ -192,6 +198,7 @@ def spot_check(path: str, shard: Shard, count: int, report: SpotCheck, rng: rand
                 report.bytes += len(piece)
             report.chunks += 1
             if digest.hexdigest() != shard.chunks[index]:
+                report.corrupt.append({"shard": shard.name, "chunk": index, "of": len(shard.chunks)})
                 ok = False
                 break
     report.seconds += time.monotonic() - started
@@ -582,14 +589,18 @@ def count_present(dest: str, shards: list[Shard]) -> int:
     return sum(1 for shard in shards if stamp_matches(dest, shard))
 
 
-def _spot_result(plan: Plan, log: Log) -> dict:
+def _spot_result(plan: Plan, log: Log, fate: str = "fetched again") -> dict:
+    summary = plan.spot.summary(fate)
     if plan.spot.shards or plan.spot.unchecked:
-        log(plan.spot.summary())
-    for name in plan.spot_failed:
-        log(f"{name}: a spot-checked chunk does not match the manifest although its stamp does: corrupt")
+        log(summary)
+    for bad in plan.spot.corrupt:
+        log(f"{bad['shard']}: spot-checked chunk {bad['chunk']} does not match the manifest although its stamp "
+            f"does: corrupt, {fate}")
     return {"spot_check": {"shards": plan.spot.shards, "chunks": plan.spot.chunks, "bytes": plan.spot.bytes,
                            "seconds": round(plan.spot.seconds, 3), "unchecked": plan.spot.unchecked,
-                           "failed": plan.spot_failed, "summary": plan.spot.summary()}}
+                           "failed": plan.spot_failed,
+                           "corrupt": [{"shard": c["shard"], "chunk": c["chunk"]} for c in plan.spot.corrupt],
+                           "summary": summary}}
 
 
 def stage(dest: str, shards: list[Shard], sources: list[Source], *, verify: str = "stamp", retries: int = 2,
@@ -609,7 +620,8 @@ def stage(dest: str, shards: list[Shard], sources: list[Source], *, verify: str 
     result = {"changed": bool(plan.fetch or plan.restamp), "fetched": [s.name for s in plan.fetch],
               "restamped": [s.name for s in plan.restamp], "corrupt": list(plan.corrupt),
               "ready": [s.name for s in plan.ready], "bytes_to_fetch": plan.remaining_bytes,
-              "sources_used": {}, "expected": len(shards), **_spot_result(plan, log)}
+              "sources_used": {}, "expected": len(shards),
+              **_spot_result(plan, log, "to be fetched again" if check_mode else "fetched again")}
     if check_mode:
         result["present"] = len(plan.ready) + len(plan.restamp)
         return result
@@ -641,7 +653,8 @@ def prove_present(dest: str, shards: list[Shard], verify: str = "stamp", spot_ch
     plan = (make_plan(dest, shards, verify, spot_chunks, rng) if os.path.isdir(dest)
             else make_plan_empty(shards))
     if plan.fetch:
-        failed = f" (spot check failed: {plan.spot_failed[:8]})" if plan.spot_failed else ""
+        failed = (" (spot check failed: " + ", ".join(f"{c['shard']} chunk {c['chunk']} does not match the manifest"
+                                                    for c in plan.spot.corrupt[:8]) + ")") if plan.spot.corrupt else ""
         raise StageError(f"{len(plan.fetch)} of {len(shards)} shards are missing or corrupt in {dest}: "
                          f"{[s.name for s in plan.fetch][:8]}{failed}")
     return {"changed": False, "present": len(shards), "expected": len(shards),

@@ -150,7 +150,9 @@ unstamped:
   elements: str
   returned: O(state=verified)
 spot_check:
-  description: What the spot check read (shards, chunks, bytes, seconds), the shards it could not check and those that failed.
+  description: >-
+    What the spot check read (shards, chunks, bytes, seconds), the shards it could not check, those that failed
+    (failed) with the chunk that did not match (corrupt, a list of shard and chunk), and a summary line for people.
   type: dict
   returned: always
 log:

@@ -70,3 +70,35 @@ def test_bad_arguments_are_named() -> None:
         compile_for_sm120(_matmul, {**SIG, "Z": "i32"}, {"K": 64, "M": 16, "N": 16, "BK": 16}, 4, 1)
     with pytest.raises(TypeError, match="not a @triton.jit"):
         compile_for_sm120(lambda: None, {}, {}, 4, 1)
+
+
+def test_a_second_process_reuses_the_compilation_and_the_ptxas_report(tmp_path) -> None:
+    """compile_for_sm120 in fresh processes with different hash seeds (set iteration order) hits
+    Triton's cache and the ptxas report cache: no new entry after the first. The aligned
+    arguments once went into Triton's cache key in a per-process order, so every CI run compiled
+    every config again (minutes under the interpreter's suite)."""
+    import os
+    import subprocess
+    import sys
+
+    child = ("from mlafleet.kernels.sm120 import compile_for_sm120\n"
+             "from mlafleet.kernels.sparse_mla import sm120_compile_specs\n"
+             "spec = next(s for s in sm120_compile_specs() if len(s.get('aligned', ())) >= 3)\n"
+             "print(compile_for_sm120(**spec).registers)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton"), MLAFLEET_CACHE=str(tmp_path / "mlafleet"),
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+
+    def entries() -> int:
+        return sum(len(files) for _, _, files in os.walk(tmp_path))
+
+    counts, outputs = [], []
+    for seed in ("1", "2", "3", "4"):
+        done = subprocess.run([sys.executable, "-c", child], env={**env, "PYTHONHASHSEED": seed},
+                              capture_output=True, text=True, check=False, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        outputs.append(done.stdout.strip())
+        counts.append(entries())
+    assert counts[0] > 0 and len(set(counts)) == 1, counts
+    assert len(set(outputs)) == 1
+    assert len(os.listdir(tmp_path / "mlafleet" / "ptxas-usage")) == 1
