@@ -16,7 +16,8 @@ OPTIONS = {"tensor": ("--tensor-parallel-size", "-tp"), "pipeline": ("--pipeline
 
 
 def parallel_sizes(args: Any) -> dict[str, Any]:
-    """{tensor, pipeline, world, problems} from a server argument list ("--opt=N", "--opt N" or "--opt", "N").
+    """{tensor, pipeline, world, named, problems} from a server argument list ("--opt=N", "--opt N" or
+    "--opt", "N"); named lists the sizes the arguments give (the others are vLLM's default, 1).
 
     The last occurrence wins, as with argparse. A value that is not a positive integer is a problem.
     """
@@ -26,6 +27,7 @@ def parallel_sizes(args: Any) -> dict[str, Any]:
     for item in args or []:
         words.extend(str(item).split())
     sizes = {"tensor": 1, "pipeline": 1}
+    named: list[str] = []
     problems = []
     index = 0
     while index < len(words):
@@ -38,10 +40,11 @@ def parallel_sizes(args: Any) -> dict[str, Any]:
                     index += 1
                 if value.isdigit() and int(value) > 0:
                     sizes[key] = int(value)
+                    named.append(key)
                 else:
                     problems.append(f"vllm_server_args: {name} {value!r} is not a positive integer")
         index += 1
-    return {**sizes, "world": sizes["tensor"] * sizes["pipeline"], "problems": problems}
+    return {**sizes, "world": sizes["tensor"] * sizes["pipeline"], "named": sorted(set(named)), "problems": problems}
 
 
 def attention_heads(config: Any) -> int | None:
