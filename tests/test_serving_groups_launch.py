@@ -290,11 +290,20 @@ def test_a_head_whose_group_does_not_form_ends_itself_and_its_processes(launcher
 
 
 def free_port() -> int:
+    """A free port below the kernel's ephemeral range: an ephemeral one, free now, may be taken by
+    one of the sockets vLLM opens before the server binds it."""
+    import random
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def test_a_head_and_a_headless_worker_serve_the_lab_model_on_the_cpu_through_the_rendered_commands(
