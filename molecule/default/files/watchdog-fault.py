@@ -114,10 +114,19 @@ def stall(args: argparse.Namespace) -> dict:
     stopped_at = time.time()
     time.sleep(2)
     health, _ = request(args.base, "/health", timeout=10)
+    # Outputs the engine sent before it stopped may still be counted by a loaded API server for a
+    # few seconds: read the counter until two reads 2 s apart agree (at most 30 s), then report.
+    deadline = time.monotonic() + 30
+    before = metric(args.base, "vllm:generation_tokens_total")
+    while True:
+        time.sleep(2)
+        later = metric(args.base, "vllm:generation_tokens_total")
+        if later == before or time.monotonic() > deadline:
+            break
+        before = later
     return {"engine_pid": pids[0], "stopped_at": stopped_at, "health": health,
             "running": metric(args.base, "vllm:num_requests_running"),
-            "generation_tokens": metric(args.base, "vllm:generation_tokens_total"),
-            "generation_tokens_later": (time.sleep(2), metric(args.base, "vllm:generation_tokens_total"))[1]}
+            "generation_tokens": before, "generation_tokens_later": later}
 
 
 def resume(args: argparse.Namespace) -> dict:
