@@ -229,27 +229,3 @@ def test_a_skipped_perf_gate_is_named_with_its_reason_in_the_html_report(tmp_pat
     section = report.render(run_dir).read_text().split(f'id="host-{host}"')[1].split("<section")[0]
     assert 'Performance gate: <span class="badge s-info">skipped</span>' in section and message in section
     assert 'class="metrics"' not in section  # nothing measured, no table
-
-
-def test_a_release_made_current_in_this_rollout_keeps_previous_when_its_stale_revision_was_never_served(
-        tmp_path: Path) -> None:
-    """Release B was tried before and rejected (its server link still names the rejected revision);
-    a later rollout makes B current again (previous: A's state) and configures it: the running
-    server still runs A, so B's stale revision never served and must not become previous."""
-    make_release(tmp_path, "rel-a")
-    make_release(tmp_path, "rel-b")
-    a = switch(tmp_path, "rel-a", server=server("--a"))
-    running = tmp_path / "running"
-    running.write_text(f"{a['state']}\n")
-    bad = switch(tmp_path, "rel-b", server=server("--bad"), running=str(running))  # the attempt
-    switch(tmp_path, "rel-a", revision=a["revision"], previous="",
-           reject={"release": "rel-b", "revision": bad["revision"], "cause": "smoke test"})
-    assert not (tmp_path / "previous").exists()
-    switch(tmp_path, "rel-b")  # activation in the next rollout
-    assert os.readlink(tmp_path / "previous") == f"releases/rel-a/server.d/{a['revision']}"
-    good = switch(tmp_path, "rel-b", server=server("--good"), running=str(running))
-    assert good["changed"] and os.readlink(tmp_path / "previous") == f"releases/rel-a/server.d/{a['revision']}"
-    # once B serves (the running file says so), a configuration change of B does move previous
-    running.write_text(f"{good['state']}\n")
-    third = switch(tmp_path, "rel-b", server=server("--third"), running=str(running))
-    assert os.readlink(tmp_path / "previous") == f"releases/rel-b/server.d/{good['revision']}" and third["changed"]

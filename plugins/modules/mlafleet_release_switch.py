@@ -65,13 +65,6 @@ options:
     description:
       - What C(previous) must point at afterwards, as a link target relative to O(root) (a rollback
         that undoes a rejected attempt puts back exactly what previous was before it). V("") removes it.
-  running:
-    type: path
-    description:
-      - A file holding the state the running server was started from (C(<release>@<revision>), as
-        the serve command writes C(/run/vllm/release)). When it names another state than the current
-        release with its revision link, that link was never served (the release was made current
-        moments ago, in the same rollout) and a new revision of it does not move C(previous).
   reject:
     type: dict
     description:
@@ -205,19 +198,6 @@ def label(release: str | None, revision: str | None) -> str | None:
     return f"{release}@{revision}" if revision else release
 
 
-def served(running: str | None, state: str | None) -> bool:
-    """Whether `state` is what the running server was started from; True when nothing says (no
-    file given or none written: the server is not running)."""
-    if not running:
-        return True
-    try:
-        with open(running, encoding="utf-8") as f:
-            started = f.read().strip()
-    except OSError:
-        return True
-    return not started or started == state
-
-
 class Host:
     """One host's release root."""
 
@@ -316,7 +296,6 @@ def main() -> None:
             "revision": {"type": "str"},
             "previous": {"type": "str"},
             "reject": {"type": "dict"},
-            "running": {"type": "path"},
         },
         mutually_exclusive=[("server", "revision")],
         supports_check_mode=True,
@@ -365,7 +344,7 @@ def main() -> None:
         want_previous = p["previous"] or None
     elif old_release is not None and release != old_release:
         want_previous = host.state_target(old_release, old_rev)  # another release
-    elif old_rev is not None and revision != old_rev and served(p["running"], label(old_release, old_rev)):
+    elif old_rev is not None and revision != old_rev:
         want_previous = host.state_target(old_release, old_rev)  # the same release, another configuration
     changed = changed or want_previous != prev_before
 
