@@ -181,3 +181,33 @@ def test_entry_points_run() -> None:
     gate = subprocess.run([sys.executable, "-m", "mlafleet.ops.perfgate"], capture_output=True, text=True,
                           check=False, cwd="/")
     assert gate.returncode != 0 and "usage: python -m mlafleet.ops.perfgate" in gate.stderr
+
+
+def test_every_condition_in_the_yaml_is_a_string() -> None:
+    """A `that:`/`when:` item whose text holds ': ' is a YAML mapping, not a condition; Ansible only
+    says so when the task runs ("Conditional expressions must be strings"), late in a molecule run."""
+    import yaml
+
+    keys = ("that", "when", "failed_when", "changed_when", "until")
+    bad = []
+
+    def walk(node, where):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in keys:
+                    for item in value if isinstance(value, list) else [value]:
+                        if not isinstance(item, (str, bool)):
+                            bad.append(f"{where}: {key}: {item!r}"[:200])
+                walk(value, where)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item, where)
+
+    for path in sorted(REPO.glob("**/*.yml")):
+        if any(part.startswith(".") for part in path.relative_to(REPO).parts) or "collections" in path.parts:
+            continue
+        try:
+            walk(yaml.safe_load(path.read_text(encoding="utf-8")), path.relative_to(REPO))
+        except yaml.YAMLError:
+            continue
+    assert not bad, bad
