@@ -298,3 +298,47 @@ def test_the_production_example_inventory_describes_two_valid_groups_beside_sing
         "pro_pair": ("pro-01", ["pro-01", "pro-02"], 4, 2, "10.0.0.21"),
         "sparks": ("spark-01", ["spark-01", "spark-02", "spark-03", "spark-04"], 4, 1, "192.168.100.31")}
     assert not {"gpu-node-01", "gpu-node-02"} & set(out["hosts"])
+
+
+# --- rollout batches: mlafleet_serial counts serving groups and single hosts alike -----------------
+
+rb = _load("rollout_batches")
+
+
+def test_a_canary_group_goes_first_whole_and_the_serial_counts_units():
+    hosts = ["spark-1", "spark-2", "solo-1", "spark-3", "solo-2", "solo-3"]
+    groups = {"spark-1": "sparks", "spark-2": "sparks", "spark-3": "sparks", "solo-1": ""}
+    plan = rb.rollout_batches(hosts, groups, [1, "50%"])
+    # 50% of four units (one group, three single hosts) is two units a batch after the canary
+    assert plan["batches"] == [["sparks"], ["solo-1", "solo-2"], ["solo-3"]]
+    # the group's hosts are consecutive, in the play's order, and its batch holds all three
+    assert plan["hosts"] == ["spark-1", "spark-2", "spark-3", "solo-1", "solo-2", "solo-3"]
+    assert plan["serial"] == [3, 2, 1]
+
+
+def test_a_group_never_splits_across_batches_whatever_the_serial():
+    hosts = ["a", "g1", "b", "g2", "c", "h1", "h2"]
+    groups = {"g1": "g", "g2": "g", "h1": "h", "h2": "h"}
+    for serial in (1, 2, "100%", [1, 2], "30%"):
+        plan = rb.rollout_batches(hosts, groups, serial)
+        start = 0
+        for size in plan["serial"]:
+            batch = plan["hosts"][start:start + size]
+            start += size
+            for members in (["g1", "g2"], ["h1", "h2"]):
+                assert set(members) <= set(batch) or not set(members) & set(batch), (serial, plan)
+        assert sorted(plan["hosts"]) == sorted(hosts) and start == len(hosts)
+    assert rb.rollout_batches(hosts, groups, 2)["batches"] == [["a", "g"], ["b", "c"], ["h"]]
+    assert rb.rollout_batches(hosts, groups, "100%")["serial"] == [7]
+
+
+def test_hosts_without_groups_batch_as_ansible_serial_does():
+    plan = rb.rollout_batches(["a", "b", "c", "d", "e"], {}, [1, "25%"])
+    assert plan["serial"] == [1, 1, 1, 1, 1]
+    assert rb.rollout_batches(["a", "b", "c"], None, None)["serial"] == [3]
+
+
+@pytest.mark.parametrize("bad", [0, "x", "-1"])
+def test_a_serial_that_is_not_a_size_is_refused_by_name(bad):
+    with pytest.raises(Exception, match="mlafleet_serial"):
+        rb.rollout_batches(["a"], {}, [bad])

@@ -412,3 +412,42 @@ def test_status_names_the_served_revision_the_previous_state_and_the_rejected_on
     table = status.format_table([{"host": "h1", "reachable": True, **got}])
     row = table.splitlines()[1]
     assert "rel-a@bbbbbbbbbbbb" in row and "rel-a@aaaaaaaaaaaa" in row and "rel-a@cccccccccccc  no watchdog" in row
+
+
+def test_a_serving_group_is_one_row_read_from_each_members_probe(tmp_path):
+    """Two real probes of member trees (server.json names the group and each one's role) become one
+    row; a worker whose unit is down, or that serves another state, makes the group degraded and is
+    named; a head without /health makes it down; a single host stays its own row."""
+    rows = []
+    for host, role in (("h2", "head"), ("h3", "worker")):
+        root = tmp_path / host
+        release_tree(root, "rel-b", "0.32.0", patched=True)
+        rev = root / "releases" / "rel-b" / "server.d" / "aaaaaaaaaaaa"
+        rev.mkdir(parents=True)
+        (rev / "server.json").write_text(json.dumps({"host": "127.0.0.1", "port": 8000, "group": {
+            "name": "pair", "role": role, "rank": 0 if role == "head" else 1, "head": "h2", "members": ["h2", "h3"]}}))
+        os.symlink("server.d/aaaaaaaaaaaa", root / "releases" / "rel-b" / "server")
+        os.symlink("releases/rel-b", root / "current")
+        (root / "release").write_text("rel-b@aaaaaaaaaaaa\n")
+        got = probe_locally(root, free_port(), root / "release")
+        assert got["server_group"]["role"] == role
+        rows.append({"host": host, "reachable": True, "inventory_group": "pair", **got})
+    single = {"host": "h1", "reachable": True, "inventory_group": "", "unit": "active", "health": 200}
+    lost = {"host": "h3", "reachable": False, "inventory_group": "pair", "error": "timed out"}
+
+    def grouped(head_health, worker):
+        head = {**rows[0], "unit": "active", "health": head_health}
+        return status.group_rows([single, head, worker])
+
+    serving = grouped(200, {**rows[1], "unit": "active"})
+    assert [r["host"] for r in serving] == ["h1", "pair"]
+    assert serving[0] is single
+    assert serving[1]["group_state"] == "serving" and serving[1]["head"] == "h2"
+    assert [(m["host"], m["role"]) for m in serving[1]["members"]] == [("h2", "head"), ("h3", "worker")]
+    assert grouped(200, {**rows[1], "unit": "failed"})[1]["group_state"] == "degraded: h3 (worker) failed"
+    other = grouped(200, {**rows[1], "unit": "active", "server_release": "rel-a@bbbbbbbbbbbb"})[1]["group_state"]
+    assert other == "degraded: h3 (worker) serves rel-a@bbbbbbbbbbbb, the head rel-b@aaaaaaaaaaaa"
+    assert grouped(200, lost)[1]["group_state"] == "degraded: h3 unreachable"
+    assert grouped("down (refused)", lost)[1]["group_state"] == "down: h3 unreachable"
+    table = status.format_table(grouped(200, {**rows[1], "unit": "failed"}))
+    assert "pair (group: h2, h3)" in table and "degraded: h3 (worker) failed; h2 head active, h3 worker failed" in table

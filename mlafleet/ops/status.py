@@ -76,6 +76,12 @@ for mark in sorted(glob.glob(os.path.join(root, "releases", "*", "server.d", "*"
         cause = "?"
     rejected.append({"state": label, "cause": cause[:300]})
 out["rejected"] = rejected
+# A serving-group member's part in the state it serves (server.json: group, role, rank, head, members).
+try:
+    with open(os.path.join(root, "current", "server", "server.json")) as f:
+        out["server_group"] = json.load(f).get("group")
+except (OSError, ValueError, AttributeError):
+    out["server_group"] = None
 venv = os.path.join(root, "current", "venv")
 try:
     with open(os.path.join(root, "current", "release.json")) as f:
@@ -191,6 +197,8 @@ class Target:
     known_hosts: list[str] = field(default_factory=lambda: USER_KNOWN_HOSTS + GLOBAL_KNOWN_HOSTS)
     lock_path: str = ""
     lab: bool = False
+    # The serving group the inventory puts the host in (mlafleet_serving_group), "" for a single host.
+    group: str = ""
 
 
 def _bool(value: Any) -> bool:
@@ -298,7 +306,8 @@ def inventory_targets(inventories: list[Path], pattern: str = "all") -> list[Tar
             name=host.name, address=str(get("ansible_host", host.name)), port=int(get("ansible_port", 22)),
             user=str(get("ansible_user", "root")), key_file=str(key_file) if key_file else None,
             root=root, server_port=int(get("vllm_server_port", 8000)), host_keys=policy, known_hosts=known_hosts,
-            lock_path=str(get("rollout_lock_path", f"{root}/.lock")), lab=_bool(get("mlafleet_lab", False))))
+            lock_path=str(get("rollout_lock_path", f"{root}/.lock")), lab=_bool(get("mlafleet_lab", False)),
+            group=str(get("mlafleet_serving_group", "") or "")))
     return targets
 
 
@@ -338,7 +347,7 @@ def probe(target: Target, timeout: float = 15.0) -> dict[str, Any]:
     """One host's state; never raises (an unreachable host is a state too)."""
     import paramiko
 
-    result: dict[str, Any] = {"host": target.name}
+    result: dict[str, Any] = {"host": target.name, "inventory_group": target.group}
     client = paramiko.SSHClient()
     if target.host_keys != "no":
         for path in target.known_hosts:
@@ -399,7 +408,56 @@ def lock_verdict(row: dict[str, Any]) -> None:
 
 def fleet_status(targets: list[Target], workers: int = 32) -> list[dict[str, Any]]:
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(targets)))) as pool:
-        return list(pool.map(probe, targets))
+        return group_rows(list(pool.map(probe, targets)))
+
+
+def group_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per serving group (at its first member's place), single hosts as they are.
+
+    A member belongs to the group its served state names (server.json), else the one the inventory
+    names (an unreachable member). The group's row is its head's (release, patch, health: clients
+    use the head) with `group`, `members` (each member's role, unit, the state its server was
+    started from) and `group_state`: "serving" when the head answers /health and every member's
+    unit is active on one state; "degraded: ..." naming each member that is not (down, unreachable,
+    another state); "down" when the head does not answer."""
+    def name_of(row: dict[str, Any]) -> str:
+        return str((row.get("server_group") or {}).get("name") or row.get("inventory_group") or "")
+
+    members: dict[str, list[dict[str, Any]]] = {}
+    out: list[dict[str, Any]] = []
+    for row in rows:
+        name = name_of(row)
+        if not name:
+            out.append(row)
+            continue
+        if name not in members:
+            members[name] = []
+            out.append({"group": name})
+        members[name].append(row)
+    for i, row in enumerate(out):
+        if "group" not in row or "host" in row:
+            continue
+        name = row["group"]
+        group = members[name]
+        head = next((r for r in group if (r.get("server_group") or {}).get("role") == "head"), group[0])
+        view = [{"host": r["host"], "role": (r.get("server_group") or {}).get("role") or "?",
+                 "reachable": bool(r.get("reachable")) and "error" not in r, "unit": r.get("unit"),
+                 "server_release": r.get("server_release"), "error": r.get("error")} for r in group]
+        problems = []
+        for m in view:
+            if not m["reachable"]:
+                problems.append(f"{m['host']} unreachable")
+            elif m["unit"] != "active":
+                problems.append(f"{m['host']} ({m['role']}) {m['unit']}")
+            elif m["server_release"] != head.get("server_release"):
+                problems.append(f"{m['host']} ({m['role']}) serves {m['server_release']}, "
+                                f"the head {head.get('server_release')}")
+        if head.get("health") != 200:
+            state = "down" + (": " + "; ".join(problems) if problems else "")
+        else:
+            state = "degraded: " + "; ".join(problems) if problems else "serving"
+        out[i] = {**head, "host": name, "group": name, "head": head["host"], "members": view, "group_state": state}
+    return out
 
 
 LEFTOVERS_NOTE = ("Leftovers are what an interrupted run (a host lost mid-rollout) left behind: an incomplete "
@@ -452,13 +510,20 @@ def format_table(rows: list[dict[str, Any]]) -> str:
               "REJECTED", "LAST STALL", "ERROR")
     lines = []
     for r in rows:
+        if r.get("members"):
+            host = f"{r['host']} (group: {', '.join(m['host'] for m in r['members'])})"
+        else:
+            host = r["host"]
         if not r.get("reachable") or "error" in r:
-            lines.append((r["host"], *["-"] * 11, r.get("error", "unreachable")))
+            lines.append((host, *["-"] * 11, r.get("error", "unreachable")))
             continue
         vllm = ", ".join(f"{k} {v}" for k, v in sorted(r.get("vllm", {}).items())) or "-"
         server = r.get("unit", "?") + (f" ({r['server_release']})" if r.get("server_release") else "")
+        if r.get("members"):  # a serving group's row: its state, then each member's unit
+            server = r["group_state"] + "; " + ", ".join(f"{m['host']} {m['role']} {m['unit'] or '?'}"
+                                                          for m in r["members"])
         serving = (r.get("current") or "none") + (f"@{r['revision']}" if r.get("revision") else "")
-        lines.append((r["host"], line_of(r), serving, r.get("previous") or "none", vllm,
+        lines.append((host, line_of(r), serving, r.get("previous") or "none", vllm,
                       r.get("patch", "?"), server, str(r.get("health")), lock_text(r),
                       "; ".join(r.get("leftovers") or []) or "-",
                       ", ".join(x["state"] for x in r.get("rejected") or []) or "-", watchdog_status.column(r), "-"))
@@ -481,7 +546,8 @@ def _cmd(args: argparse.Namespace) -> int:
         return 2
     rows = fleet_status(targets)
     sys.stdout.write(json.dumps(rows, indent=2) + "\n" if args.json else format_table(rows))
-    return 0 if all(r.get("reachable") and "error" not in r for r in rows) else 1
+    return 0 if all(r.get("reachable") and "error" not in r and not str(r.get("group_state", "serving")).startswith(
+        ("degraded", "down")) for r in rows) else 1
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
