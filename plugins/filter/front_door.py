@@ -19,6 +19,15 @@ front_door_min_serving(backends, batches, min_serving=1, healthy=None) -> [reaso
   For each batch: the backends it takes out (a member of a serving group takes its group's
   backend), and a reason when fewer than min_serving healthy backends (`healthy`: names; default
   every backend) stay in. An empty list: the plan keeps the door serving.
+
+front_door_healthy(views) -> [name, ...]
+  The backends every door serves with (views: each door's servers as mlafleet_front_door returns
+  them): UP, state ready, weight above 0 (the door's completion check sets 0 on a server whose
+  completions fail).
+
+front_door_requests_running(text) -> float
+  vLLM's `vllm:num_requests_running` summed over its labels (engines, models), from a /metrics
+  text parsed by prometheus_client's own parser; -1 when the text has no such series.
 """
 
 from __future__ import annotations
@@ -121,7 +130,27 @@ def front_door_min_serving(backends: list[dict[str, Any]], batches: list[list[st
     return reasons
 
 
+def front_door_healthy(views: list[list[dict[str, Any]]]) -> list[str]:
+    """Names of the servers UP, ready and weighted at every door (see the module doc)."""
+    sets = [[s["name"] for s in servers
+             if str(s.get("status", "")).startswith("UP") and s.get("admin") == "ready" and int(s.get("weight", 0)) > 0]
+            for servers in views or []]
+    if not sets:
+        return []
+    return [name for name in sets[0] if all(name in other for other in sets[1:])]
+
+
+def front_door_requests_running(text: str) -> float:
+    """vllm:num_requests_running summed over its labels; -1 when absent (see the module doc)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = [s.value for family in text_string_to_metric_families(text or "") for s in family.samples
+               if s.name == "vllm:num_requests_running"]
+    return float(sum(samples)) if samples else -1.0
+
+
 class FilterModule:
     def filters(self) -> dict[str, Any]:
         return {"front_door_backends": front_door_backends, "front_door_batches": front_door_batches,
-                "front_door_min_serving": front_door_min_serving}
+                "front_door_min_serving": front_door_min_serving, "front_door_healthy": front_door_healthy,
+                "front_door_requests_running": front_door_requests_running}
