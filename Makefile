@@ -25,10 +25,11 @@ PHASE := $(CURDIR)/scripts/phase
 export MLAFLEET_PHASES ?= $(CURDIR)/build/phases.tsv
 # Debian packages the controller needs (installed by the targets below when missing): rollouts
 # sync wheelhouses with rsync over ssh; the lab builds its hosts with docker and debootstrap;
-# the tests sign a stand-in apt repository with gnupg and open the rollout report in chromium.
+# the tests sign a stand-in apt repository with gnupg, open the rollout report in chromium and run
+# the front door's HAProxy (Debian 12's 2.6) in front of stand-in servers.
 CONTROLLER_DEBS := rsync openssh-client
 LAB_DEBS := docker.io debootstrap
-TEST_DEBS := gnupg chromium
+TEST_DEBS := gnupg chromium haproxy
 
 .PHONY: help check-disk prereqs lab-prereqs test-prereqs setup wheelhouse vllm-venv patchset lab-images lab-release-image lab-lines-image lab-up lab-down demo lint sanity pytest molecule test clean
 

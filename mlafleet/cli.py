@@ -16,6 +16,7 @@ import sys
 
 COMMANDS: dict[str, str] = {
     "lab": "mlafleet.lab.containers",
+    "loadgen": "mlafleet.ops.loadgen",
     "plan": "mlafleet.ops.runner",
     "patchset": "mlafleet.patchset.builder",
     "report": "ansible_collections.mlafleet.fleet.plugins.plugin_utils.report",  # the collection's renderer (plugins/plugin_utils/report.py)

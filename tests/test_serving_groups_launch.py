@@ -1,8 +1,9 @@
 """How a serving-group member is launched (roles/vllm_server templates, docs/multi-host.md): the
 serve command, environment, unit and client settings each host gets, rendered through Ansible as
 the role renders them (lookup('template') with the role's defaults and vars), for a head, a
-worker, a Ray head and worker, and a single host, whose files must stay byte for byte what they
-were before serving groups existed (tests/data/serve/, rendered by the templates of that time).
+worker, a Ray head and worker, and a single host, whose files must stay byte for byte what
+tests/data/serve/ holds (rendered before serving groups existed; since then changed only by the
+drain at stop and the bounded Restart=always of issue 45, docs/front-door.md).
 
 The launcher (vllm-cli.py.j2) runs for real against vLLM's CPU build, whose `vllm` console script
 fails (no distribution named vllm)."""
@@ -68,7 +69,7 @@ SINGLE = {
              "vllm_server_host": "0.0.0.0", "vllm_server_port": 8100, "vllm_server_api_key": "k-0123456789",
              "vllm_server_args": ["--tensor-parallel-size=8", "--max-model-len=65536", "--enforce-eager"],
              "vllm_server_env": {"VLLM_LOGGING_LEVEL": "DEBUG"}, "vllm_server_triton_sparse_mla": True,
-             "vllm_server_start_timeout": 3600},
+             "vllm_server_start_timeout": 3600, "vllm_server_shutdown_timeout": 600},
 }
 
 
@@ -130,7 +131,7 @@ def env_of(text: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("host", sorted(SINGLE))
 @pytest.mark.parametrize("name", ["vllm-serve.sh", "vllm.env", "vllm.service", "server.json"])
-def test_a_single_host_is_served_byte_for_byte_as_before_groups(rendered, host, name):
+def test_a_single_host_is_served_byte_for_byte_as_the_golden_files_say(rendered, host, name):
     assert rendered[host][name] == (GOLDEN / host / name).read_text()
 
 
@@ -140,8 +141,10 @@ def test_the_head_and_the_worker_run_the_same_command_with_their_rank_and_the_wo
     assert head[:4] == ["exec", "/opt/mlafleet/releases/0.20.2-abcdef0123/venv/bin/python", launcher, "serve"]
     assert head[4:] == ["--model=/opt/mlafleet/models/model", "--served-model-name=model", "--max-model-len=65536",
                         "--tensor-parallel-size=4", "--pipeline-parallel-size=2", "--nnodes=2", "--node-rank=0",
-                        "--master-addr=10.0.0.21", "--master-port=29501", "--host=0.0.0.0", "--port=8000"]
-    assert worker == [w.replace("--node-rank=0", "--node-rank=1") for w in head[:-2]] + ["--headless"] + head[-2:]
+                        "--master-addr=10.0.0.21", "--master-port=29501", "--shutdown-timeout=120",
+                        "--host=0.0.0.0", "--port=8000"]
+    # the worker has no API server: nothing to drain
+    assert worker == [w.replace("--node-rank=0", "--node-rank=1") for w in head[:-3]] + ["--headless"] + head[-2:]
     assert "api_server" not in rendered["pro-01"]["vllm-serve.sh"]  # it would ignore --headless
 
 
@@ -158,13 +161,46 @@ def test_each_member_names_its_cluster_address_and_interface_and_only_the_head_t
 
 def test_a_members_unit_does_not_restart_alone_and_kills_a_head_that_ignores_sigterm(rendered):
     single, worker = rendered["gguf"]["vllm.service"], rendered["pro-02"]["vllm.service"]
-    assert "Restart=on-failure" in single and "KillMode" not in single
+    assert "Restart=always" in single and "KillMode=mixed" in single
     for line in ("Restart=no", "KillMode=mixed", "TimeoutStopSec=90", "SendSIGKILL=yes", "TimeoutStartSec=1800"):
         assert f"\n{line}\n" in worker
-    assert "Restart=on-failure" not in worker and "RestartSec" not in worker
+    assert "Restart=always" not in worker and "RestartSec" not in worker and "StartLimit" not in worker
     assert "ProtectSystem=strict" in worker  # hardened like a single host's
     hardening = single[single.index("NoNewPrivileges"):single.index("[Install]")]
     assert hardening in worker
+
+
+def unit_of(text: str) -> dict[str, dict[str, str]]:
+    """section -> {key: value} of a rendered systemd unit (comments and blank lines left out)."""
+    sections: dict[str, dict[str, str]] = {}
+    for line in text.splitlines():
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], {})
+        elif line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            current[key] = value
+    return sections
+
+
+@pytest.mark.parametrize(("host", "drain"), [("plain", 120), ("gguf", 600)])
+def test_a_single_host_drains_at_stop_and_comes_back_whatever_its_exit_status(rendered, host, drain):
+    """Issue 45's measured defects: with KillMode=control-group systemd's SIGTERM reached the engine
+    too and cut every stream; vLLM exits 0 when its engine dies, which Restart=on-failure ignores."""
+    unit = unit_of(rendered[host]["vllm.service"])
+    service = unit["Service"]
+    # vLLM's drain is in the release's serve file (a rollback restores it), the unit stops after it
+    assert f"--shutdown-timeout={drain}" in serve_words(rendered[host]["vllm-serve.sh"])
+    assert service["KillMode"] == "mixed"
+    assert int(service["TimeoutStopSec"]) == drain + 30
+    assert service["Restart"] == "always" and service["RestartSec"] == "10"
+    assert (unit["Unit"]["StartLimitIntervalSec"], unit["Unit"]["StartLimitBurst"]) == ("1800", "5")
+
+
+def test_a_group_head_drains_within_its_stop_timeout_and_a_worker_keeps_its_own(rendered):
+    head, worker = (unit_of(rendered[h]["vllm.service"])["Service"] for h in ("pro-01", "pro-02"))
+    assert (head["KillMode"], head["TimeoutStopSec"], head["Restart"]) == ("mixed", "150", "no")
+    assert (worker["KillMode"], worker["TimeoutStopSec"], worker["Restart"]) == ("mixed", "90", "no")
+    assert "--shutdown-timeout" not in rendered["pro-02"]["vllm-serve.sh"]
 
 
 def test_client_settings_name_the_group_and_single_hosts_keep_theirs(rendered):

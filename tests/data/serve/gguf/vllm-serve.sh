@@ -15,5 +15,6 @@ exec /srv/mlafleet/releases/0.20.2-abcdef0123/venv/bin/python -m vllm.entrypoint
     --tensor-parallel-size=8 \
     --max-model-len=65536 \
     --enforce-eager \
+    --shutdown-timeout=600 \
     --host=0.0.0.0 \
     --port=8100

@@ -10,5 +10,6 @@ echo 0.32.0-5f268df039"@$revision" > "${RUNTIME_DIRECTORY:-/run/vllm}/release"
 exec /opt/mlafleet/releases/0.32.0-5f268df039/venv/bin/python -m vllm.entrypoints.openai.api_server \
     --model=/opt/mlafleet/models/model \
     --served-model-name=model \
+    --shutdown-timeout=120 \
     --host=127.0.0.1 \
     --port=8000
