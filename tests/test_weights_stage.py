@@ -1,7 +1,7 @@
 """Staging: HTTP mirror with resume, local path, peer rsync, hub token, stamps, space, corruption.
 
-Everything runs the host-side staging code the gguf_weights role ships with its module
-(plugins/module_utils/gguf_stage.py) against real files and real servers.
+Everything runs the host-side staging code the weights role ships with its module
+(plugins/module_utils/weights_stage.py) against real files and real servers.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 from weights_support import TOKEN, HubHandler, hub, mirror, serving, write_model
 
 from ansible_collections.mlafleet.fleet.plugins.module_utils import digest
-from ansible_collections.mlafleet.fleet.plugins.module_utils import gguf_stage as host
+from ansible_collections.mlafleet.fleet.plugins.module_utils import weights_stage as host
 from mlafleet.weights import shards as weights
 from mlafleet.weights.mirror import MirrorHandler
 
@@ -77,7 +77,7 @@ def test_download_killed_mid_shard_resumes_with_a_range_request(model, tmp_path:
         proc = subprocess.Popen(
             [sys.executable, "-m", "mlafleet.weights", "weights", "stage", "--manifest", str(tmp_path / "manifest.json"),
              "--dest", str(dest), "--from-url", server.url, "--reserve-mb", "0"],
-            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+            cwd=REPO, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "collections")])},
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
         while not (first.exists() and first.stat().st_size > 200_000) and time.monotonic() < deadline:
@@ -387,7 +387,7 @@ def test_host_module_needs_only_the_standard_library() -> None:
     code = textwrap.dedent(f"""
         import importlib.util, sys
         sys.path.insert(0, {str(REPO / 'collections')!r})
-        spec = importlib.util.spec_from_file_location("m", {str(modules / 'gguf_weights_stage.py')!r})
+        spec = importlib.util.spec_from_file_location("m", {str(modules / 'weights_stage.py')!r})
         module = importlib.util.module_from_spec(spec); sys.modules["m"] = module; spec.loader.exec_module(module)
         spec = importlib.util.spec_from_file_location("g", {str(modules / 'gguf_weights_merge.py')!r})
         module = importlib.util.module_from_spec(spec); sys.modules["g"] = module; spec.loader.exec_module(module)
@@ -400,7 +400,7 @@ def test_host_module_needs_only_the_standard_library() -> None:
     # Only the collection's own module_utils (the namespace packages above them included).
     utils = "ansible_collections.mlafleet.fleet.plugins.module_utils"
     loaded = ast.literal_eval(collection)
-    assert {n for n in loaded if n.startswith(utils + ".")} == {f"{utils}.{m}" for m in ("digest", "gguf_merge", "gguf_stage")}
+    assert {n for n in loaded if n.startswith(utils + ".")} == {f"{utils}.{m}" for m in ("digest", "gguf_merge", "weights_stage")}
     assert all(utils.startswith(n) or n.startswith(utils + ".") for n in loaded)
 
 

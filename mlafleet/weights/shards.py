@@ -3,8 +3,8 @@
 - `manifest DIR` hashes the shards in parallel (with a progress bar), reads their GGUF headers
   with the `gguf` package and checks that split.no / split.count / split.tensors.count agree
   and that the shards belong to one model, then writes a JSON manifest.
-- `stage`, `verify` and `merge` run the same host-side code that the gguf_weights role ships to
-  hosts (the collection's module_utils gguf_stage and gguf_merge, which its modules call), here on
+- `stage`, `verify` and `merge` run the same host-side code that the weights role ships to
+  hosts (the collection's module_utils weights_stage and gguf_merge, which its modules call), here on
   the controller or a shared filesystem, imported by their collection name.
 - `serve DIR` runs a ranged HTTP mirror (mlafleet.weights.mirror).
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Callable
 
-from ansible_collections.mlafleet.fleet.plugins.module_utils import gguf_merge, gguf_stage
+from ansible_collections.mlafleet.fleet.plugins.module_utils import gguf_merge, weights_stage
 from ansible_collections.mlafleet.fleet.plugins.module_utils.digest import hash_file
 
 MANIFEST_FORMAT = "mlafleet-gguf-manifest/1"
@@ -194,7 +194,7 @@ def build_manifest(directory: Path, model: str | None = None, jobs: int = 4,
                    progress_stream: IO[str] | None = None, chunk_size: int | None = None) -> dict:
     """The manifest of one model's shards in `directory`: headers checked, sha256 in parallel,
     with the sha256 of every chunk_size bytes (default 64 MiB) for the hosts' spot checks."""
-    chunk_size = gguf_stage.MANIFEST_CHUNK if chunk_size is None else chunk_size
+    chunk_size = weights_stage.MANIFEST_CHUNK if chunk_size is None else chunk_size
     paths = find_shards(directory, model)
     headers = [read_split_header(p) for p in paths]
     summary = check_split_headers(headers)
@@ -215,8 +215,8 @@ def build_manifest(directory: Path, model: str | None = None, jobs: int = 4,
                    for p, h in zip(paths, headers)],
     }
     try:  # what the role and the host module will check: a name they refuse is refused here already
-        gguf_stage.check_manifest(manifest)
-    except gguf_stage.StageError as err:
+        weights_stage.check_manifest(manifest)
+    except weights_stage.StageError as err:
         raise WeightsError(f"{directory}: {err}") from None
     return manifest
 
@@ -228,8 +228,8 @@ def load_manifest(path: Path) -> dict:
     except (OSError, ValueError) as err:
         raise WeightsError(f"cannot read manifest {path}: {err}") from None
     try:
-        gguf_stage.check_manifest(manifest)
-    except gguf_stage.StageError as err:
+        weights_stage.check_manifest(manifest)
+    except weights_stage.StageError as err:
         raise WeightsError(f"{path}: {err}") from None
     return manifest
 
@@ -278,16 +278,16 @@ def cmd_stage(args: argparse.Namespace) -> int:
     secrets = [s.get("token", "") for s in specs]
 
     def log(message: str) -> None:
-        print(gguf_stage.redact(message, secrets), file=sys.stderr, flush=True)
+        print(weights_stage.redact(message, secrets), file=sys.stderr, flush=True)
 
     try:
-        shards = gguf_stage.parse_shards(manifest["shards"])
-        sources = [gguf_stage.make_source(spec, args.timeout) for spec in specs]
-        result = gguf_stage.stage(args.dest, shards, sources, verify=args.verify, retries=args.retries,
+        shards = weights_stage.parse_shards(manifest["shards"])
+        sources = [weights_stage.make_source(spec, args.timeout) for spec in specs]
+        result = weights_stage.stage(args.dest, shards, sources, verify=args.verify, retries=args.retries,
                                   reserve=args.reserve_mb << 20, check_mode=args.check, log=log,
                                   spot_chunks=args.spot_chunks)
-    except gguf_stage.StageError as err:
-        raise WeightsError(gguf_stage.redact(str(err), secrets)) from None
+    except weights_stage.StageError as err:
+        raise WeightsError(weights_stage.redact(str(err), secrets)) from None
     verb = "would fetch" if args.check else "fetched"
     print(f"{args.dest}: {result['present']} of {result['expected']} shards verified; {verb} "
           f"{len(result['fetched'])}, re-stamped {len(result['restamped'])}", file=sys.stderr)
@@ -297,9 +297,9 @@ def cmd_stage(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     manifest = load_manifest(Path(args.manifest))
     try:
-        result = gguf_stage.prove_present(args.dest, gguf_stage.parse_shards(manifest["shards"]), args.verify,
+        result = weights_stage.prove_present(args.dest, weights_stage.parse_shards(manifest["shards"]), args.verify,
                                           args.spot_chunks)
-    except gguf_stage.StageError as err:
+    except weights_stage.StageError as err:
         raise WeightsError(str(err)) from None
     print(f"{args.dest}: all {result['present']} of {result['expected']} shards present and verified; "
           f"{result['spot_check']['summary']}", file=sys.stderr)
@@ -309,10 +309,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_merge(args: argparse.Namespace) -> int:
     manifest = load_manifest(Path(args.manifest))
     try:
-        shards = gguf_stage.parse_shards(manifest["shards"])
-        gguf_stage.prove_present(args.dest, shards)
+        shards = weights_stage.parse_shards(manifest["shards"])
+        weights_stage.prove_present(args.dest, shards)
         result = gguf_merge.merge(args.dest, [s.name for s in shards], args.output)
-    except (gguf_stage.StageError, gguf_merge.MergeError) as err:
+    except (weights_stage.StageError, gguf_merge.MergeError) as err:
         raise WeightsError(str(err)) from None
     state = "written" if result["changed"] else "up to date"
     print(f"{args.output}: {result['tensors']} tensors, {result['size']} bytes, {state}", file=sys.stderr)

@@ -1,7 +1,7 @@
 #!/usr/bin/python
 """Ansible module: stage a model's GGUF shards into a directory, verified against a manifest.
 
-The staging itself is the collection's module_utils gguf_stage (plugins/module_utils/gguf_stage.py),
+The staging itself is the collection's module_utils weights_stage (plugins/module_utils/weights_stage.py),
 which Ansible ships to the host with this module and which `mlafleet weights stage` runs on the
 controller.
 """
@@ -9,7 +9,7 @@ controller.
 from __future__ import annotations
 
 DOCUMENTATION = r"""
-module: gguf_weights_stage
+module: weights_stage
 short_description: Stage GGUF shards verified against a sha256 manifest
 description:
   - Fetches missing shards into C(.partial) files with resume, verifies their sha256, renames
@@ -80,13 +80,13 @@ attributes:
     support: full
     description: Plans what would be fetched (and how many bytes) without writing.
 notes:
-  - The role mlafleet.fleet.gguf_weights builds O(shards) from a manifest (C(mlafleet weights manifest))
+  - The role mlafleet.fleet.weights builds O(shards) from a manifest (C(mlafleet weights manifest))
     and O(sources) from its variables, with peer fan-out between hosts.
 """
 
 EXAMPLES = r"""
 - name: Stage a model's shards from a mirror
-  mlafleet.fleet.gguf_weights_stage:
+  mlafleet.fleet.weights_stage:
     dest: /var/lib/mlafleet/models/GLM-5-Q4_K_M
     shards: "{{ (lookup('ansible.builtin.file', 'GLM-5-Q4_K_M.manifest.json') | from_json).shards }}"
     sources:
@@ -94,7 +94,7 @@ EXAMPLES = r"""
         url: https://mirror.example.com/GLM-5-Q4_K_M/
 
 - name: Prove that all shards are present (reads nothing but stamps and a few chunks)
-  mlafleet.fleet.gguf_weights_stage:
+  mlafleet.fleet.weights_stage:
     dest: /var/lib/mlafleet/models/GLM-5-Q4_K_M
     shards: "{{ (lookup('ansible.builtin.file', 'GLM-5-Q4_K_M.manifest.json') | from_json).shards }}"
     state: verified
@@ -162,7 +162,7 @@ log:
   returned: O(state=staged)
 """
 
-from ansible_collections.mlafleet.fleet.plugins.module_utils.gguf_stage import (
+from ansible_collections.mlafleet.fleet.plugins.module_utils.weights_stage import (
     StageError, make_source, parse_shards, prove_present, redact, stage)
 
 

@@ -1,8 +1,8 @@
 """Staging a model's GGUF shards into a directory, verified against a manifest.
 
 This file is the one place where staging happens. It runs on a host, shipped by Ansible with the
-collection's module `mlafleet.fleet.gguf_weights_stage` (which the gguf_weights role calls), and
-on the controller, where the filter `gguf_weights_manifest_problem` checks manifests with it and
+collection's module `mlafleet.fleet.weights_stage` (which the weights role calls), and
+on the controller, where the filter `weights_manifest_problem` checks manifests with it and
 `mlafleet weights` (manifest, stage, verify, merge) imports it by the same name, so it uses the
 standard library and the collection's module_utils only: hosts carry nothing but Debian's python3.
 
