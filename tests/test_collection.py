@@ -307,7 +307,7 @@ def test_the_installed_collection_runs_a_playbook_of_fully_qualified_names(tarba
     assert result["parallel"]["world"] == 6
     # weights: the manifest passed the filter, both shards staged, merged into one GGUF file
     assert result["model_fetched"] == [p.name for p in model_paths]
-    assert result["bad_manifest"].startswith("not an mlafleet GGUF manifest")
+    assert result["bad_manifest"].startswith("not an mlafleet weights manifest")
     merged = work / "model" / "tiny-glm.gguf"
     assert result["merged"]["changed"] and result["merged"]["tensors"] == 4
     assert result["merged"]["size"] == merged.stat().st_size
