@@ -169,7 +169,7 @@ def test_role_hub_token_never_reaches_ansible_output(staged_setup, tmp_path: Pat
     with mirror(origin) as cdn, hub(cdn.url) as hub_server:
         extra = {"weights_manifest": str(manifest), "weights_source": "hub",
                  "weights_hub_endpoint": hub_server.url, "weights_hub_repo": "zai-org/GLM-5-GGUF",
-                 "weights_hub_token": TOKEN, "weights_root": str(tmp_path / "models"),
+                 "weights_hub_token": TOKEN, "weights_root": str(tmp_path / "models"), "weights_hub_revision": "ab" * 20,
                  "weights_reserve_mb": 0}
         done, stats = run_role(tmp_path, extra, "-vvv")
         assert done.returncode == 0, done.stdout[-3000:]

@@ -410,7 +410,8 @@ def test_host_module_needs_only_the_standard_library() -> None:
     # Only the collection's own module_utils (the namespace packages above them included).
     utils = "ansible_collections.mlafleet.fleet.plugins.module_utils"
     loaded = ast.literal_eval(collection)
-    assert {n for n in loaded if n.startswith(utils + ".")} == {f"{utils}.{m}" for m in ("digest", "gguf_merge", "weights_stage")}
+    assert {n for n in loaded if n.startswith(utils + ".")} == {f"{utils}.{m}" for m in ("digest", "gguf_merge", "safetensors_check",
+                                                                           "weights_stage")}
     assert all(utils.startswith(n) or n.startswith(utils + ".") for n in loaded)
 
 
