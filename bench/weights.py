@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ansible_collections.mlafleet.fleet.plugins.module_utils import gguf_stage as stager  # noqa: E402
+from ansible_collections.mlafleet.fleet.plugins.module_utils import weights_stage as stager  # noqa: E402
 from ansible_collections.mlafleet.fleet.plugins.module_utils.digest import hash_file  # noqa: E402
 from mlafleet.weights import shards as weights  # noqa: E402
 

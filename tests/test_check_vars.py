@@ -22,7 +22,7 @@ def inventory(tmp_path: Path) -> Path:
         "    gpu-2: {ansible_connection: local}\n")
     # group_vars from a directory (a vars plugin) count as inventory variables too.
     (tmp_path / "inv" / "group_vars" / "all.yml").write_text(
-        "gguf_weight_manifest: /srv/m.json\nsmoke_test_timeout: 60\nmy_own_setting: 1\n")
+        "weights_manifset: /srv/m.json\nsmoke_test_timeout: 60\nmy_own_setting: 1\n")
     return tmp_path / "inv"
 
 
@@ -34,12 +34,12 @@ def test_cli_warns_for_each_misspelled_variable_and_names_the_closest(tmp_path: 
         runner_root=tmp_path / "runner", report_root=tmp_path / "reports")
     assert report["rc"] == 0  # a warning, not a refusal
     warnings = {w.split(" ")[0]: w for w in report["warnings"]}
-    assert set(warnings) == {"vllm_verison", "mlafleet_seral", "vllm_server_portt", "gguf_weight_manifest"}
+    assert set(warnings) == {"vllm_verison", "mlafleet_seral", "vllm_server_portt", "weights_manifset"}
     assert "(extra variable)" in warnings["vllm_verison"] and "did you mean vllm_install_version?" in warnings["vllm_verison"]
     assert "did you mean mlafleet_serial?" in warnings["mlafleet_seral"]
     assert "(inventory: gpu-1)" in warnings["vllm_server_portt"] and "did you mean vllm_server_port?" in warnings["vllm_server_portt"]
-    assert "(inventory: gpu-1, gpu-2)" in warnings["gguf_weight_manifest"]
-    assert "did you mean gguf_weights_manifest?" in warnings["gguf_weight_manifest"]
+    assert "(inventory: gpu-1, gpu-2)" in warnings["weights_manifset"]
+    assert "did you mean weights_manifest?" in warnings["weights_manifset"]
     text = out.getvalue()
     assert text.count("WARNING") == 4 and "my_own_setting" not in text  # not our prefix: not ours to judge
 
@@ -73,4 +73,4 @@ def test_every_variable_the_repository_sets_is_declared() -> None:
              *REPO.glob("molecule/*/host_vars/*.yml"), *REPO.glob("molecule/*/group_vars/*.yml")]
     names = {k for f in files for k in (yaml.safe_load(f.read_text()) or {})}
     assert plugin.unknown_variables(names, declared, ours) == []
-    assert {"vllm_", "vllm_server_", "gguf_weights_", "mlafleet_", "nvidia_driver_"} <= ours
+    assert {"vllm_", "vllm_server_", "weights_", "mlafleet_", "nvidia_driver_"} <= ours

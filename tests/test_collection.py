@@ -30,7 +30,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 GALAXY = yaml.safe_load((REPO / "galaxy.yml").read_text(encoding="utf-8"))
-MODULES = ("gguf_weights_stage", "gguf_weights_merge", "mlafleet_rollout_lock", "mlafleet_vllm_patch",
+MODULES = ("weights_stage", "gguf_weights_merge", "mlafleet_rollout_lock", "mlafleet_vllm_patch",
            "mlafleet_release_switch")
 
 
@@ -98,7 +98,7 @@ def test_the_tarball_holds_only_ansible_content(tarball: Path) -> None:
     assert "files/vllm/0.20.2/manifest.json" in names and "requirements/releases/vllm-0.20.2.txt" in names
     for module in MODULES:
         assert f"plugins/modules/{module}.py" in names
-    for utils in ("digest", "gguf_stage", "gguf_merge"):
+    for utils in ("digest", "weights_stage", "gguf_merge"):
         assert f"plugins/module_utils/{utils}.py" in names
     for role in sorted(p.name for p in (REPO / "roles").iterdir()):
         assert f"roles/{role}/meta/argument_specs.yml" in names, role
@@ -183,7 +183,7 @@ PLAYBOOK = """
       failed_when: false
 
     - name: Stage a shard from a directory (the module imports the collection's module_utils)
-      mlafleet.fleet.gguf_weights_stage:
+      mlafleet.fleet.weights_stage:
         dest: "{{ work }}/dest"
         shards: "{{ shards }}"
         sources: [{type: path, path: "{{ work }}/origin"}]
@@ -191,13 +191,13 @@ PLAYBOOK = """
       register: staged
 
     - name: Stage a real two-shard GGUF model (its manifest checked by the collection's filter first)
-      mlafleet.fleet.gguf_weights_stage:
+      mlafleet.fleet.weights_stage:
         dest: "{{ work }}/model"
         shards: "{{ model.shards }}"
         sources: [{type: path, path: "{{ work }}/model-origin"}]
         reserve_mb: 0
       register: model_staged
-      when: model | mlafleet.fleet.gguf_weights_manifest_problem == ''
+      when: model | mlafleet.fleet.weights_manifest_problem == ''
 
     - name: Merge its shards into one file (gguf_merge of the collection's module_utils)
       mlafleet.fleet.gguf_weights_merge:
@@ -230,7 +230,7 @@ PLAYBOOK = """
               'present': staged.present, 'fetched': staged.fetched,
               'parallel': ['--tensor-parallel-size=2', '-pp', '3'] | mlafleet.fleet.preflight_parallel_sizes,
               'model_fetched': model_staged.fetched, 'merged': merged,
-              'bad_manifest': {'format': 'x'} | mlafleet.fleet.gguf_weights_manifest_problem,
+              'bad_manifest': {'format': 'x'} | mlafleet.fleet.weights_manifest_problem,
               'restored': vllm_rollback_release_id, 'forward': forward, 'unknown': checked.unknown}
              | to_json }}
         mode: "0644"
@@ -278,7 +278,7 @@ def test_the_installed_collection_runs_a_playbook_of_fully_qualified_names(tarba
     assert doc.returncode == 0, doc.stdout + doc.stderr
     assert str(installed / "plugins" / "modules" / "mlafleet_rollout_lock.py") in doc.stdout
     assert str(REPO) not in doc.stdout
-    for kind, names in (("module", MODULES), ("filter", ("gguf_weights_manifest_problem", "preflight_parallel_sizes"))):
+    for kind, names in (("module", MODULES), ("filter", ("weights_manifest_problem", "preflight_parallel_sizes"))):
         listed = subprocess.run([str(BIN / "ansible-doc"), "-t", kind, "-F", "mlafleet.fleet"],
                                 capture_output=True, text=True, check=False, timeout=120, cwd=work, env=env)
         files = dict(line.split(None, 1) for line in listed.stdout.splitlines() if line.strip())
@@ -294,7 +294,7 @@ def test_the_installed_collection_runs_a_playbook_of_fully_qualified_names(tarba
     # every module ran from the install (ansible names the file it packs for the host)
     used = re.findall(r"Using module file (\S+)", done.stdout)
     ours = {Path(u).stem for u in used if "/mlafleet/fleet/" in u}
-    assert ours == {"mlafleet_rollout_lock", "gguf_weights_stage", "gguf_weights_merge", "mlafleet_release_switch"}, used
+    assert ours == {"mlafleet_rollout_lock", "weights_stage", "gguf_weights_merge", "mlafleet_release_switch"}, used
     assert all(Path(u).is_relative_to(installed / "plugins" / "modules") for u in used if "/mlafleet/fleet/" in u), used
     # nothing of the checkout but the controller's venv (ansible itself) is named
     assert set(re.findall(re.escape(str(REPO)) + r"/([^/\s'\"]+)", done.stdout + done.stderr)) <= {".venv"}
@@ -307,7 +307,7 @@ def test_the_installed_collection_runs_a_playbook_of_fully_qualified_names(tarba
     assert result["parallel"]["world"] == 6
     # weights: the manifest passed the filter, both shards staged, merged into one GGUF file
     assert result["model_fetched"] == [p.name for p in model_paths]
-    assert result["bad_manifest"].startswith("not an mlafleet GGUF manifest")
+    assert result["bad_manifest"].startswith("not an mlafleet weights manifest")
     merged = work / "model" / "tiny-glm.gguf"
     assert result["merged"]["changed"] and result["merged"]["tensors"] == 4
     assert result["merged"]["size"] == merged.stat().st_size

@@ -49,16 +49,16 @@ def playbook(tmp_path: Path, inv: Path, name: str, *args: str) -> subprocess.Com
 
 
 def test_site_yml_with_one_tag_and_a_limit_without_localhost(tmp_path: Path) -> None:
-    """`site.yml --tags gguf_weights --limit h1`: the weights are staged on h1 and the run ends well
+    """`site.yml --tags weights --limit h1`: the weights are staged on h1 and the run ends well
     (it used to stage them and then fail on the lock: 'keep localhost in the pattern')."""
     origin = tmp_path / "origin"
     write_model(origin, shards=2)
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps(weights.build_manifest(origin)))
-    inv = inventory(tmp_path, gguf_weights_manifest=str(manifest), gguf_weights_source="path",
-                    gguf_weights_path=str(origin), gguf_weights_reserve_mb=0,
-                    gguf_weights_root=f"{tmp_path}/fleet/{{{{ inventory_hostname }}}}/models")
-    done = playbook(tmp_path, inv, "site.yml", "--tags", "gguf_weights", "--limit", "h1", "-e", "mlafleet_run=limit-1")
+    inv = inventory(tmp_path, weights_manifest=str(manifest), weights_source="path",
+                    weights_path=str(origin), weights_reserve_mb=0,
+                    weights_root=f"{tmp_path}/fleet/{{{{ inventory_hostname }}}}/models")
+    done = playbook(tmp_path, inv, "site.yml", "--tags", "weights", "--limit", "h1", "-e", "mlafleet_run=limit-1")
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     assert "keep localhost" not in out and "HostVarsVars" not in out

@@ -274,14 +274,14 @@ LEAK_PLAY = """
   gather_facts: false
   tasks:
     - ansible.builtin.fail:
-        msg: "cannot reach the hub with token {{ gguf_weights_hub_token }} (key {{ vllm_server_api_key }})"
+        msg: "cannot reach the hub with token {{ weights_hub_token }} (key {{ vllm_server_api_key }})"
 """
 
 
 def test_secrets_never_land_in_reports(scratch):
     token, key = "hf_LeakedToken0123456789", "sk-LeakedApiKey987"
     report = run(scratch, LEAK_PLAY, "sec-1", limit="h1",
-                 extravars=runner.parse_extra_vars([f"gguf_weights_hub_token={token}",
+                 extravars=runner.parse_extra_vars([f"weights_hub_token={token}",
                                                     json.dumps({"vllm_server_api_key": key}), "x=3"]))
     assert report["rc"] != 0
     report_dir = scratch["reports"] / "sec-1"
@@ -289,7 +289,7 @@ def test_secrets_never_land_in_reports(scratch):
     written = (report_dir / "run.json").read_text() + (report_dir / "summary.txt").read_text() + report["_out"]
     assert token not in written and key not in written
     assert "cannot reach the hub with token ********" in hosts(report)["h1"]["cause"]
-    assert report["extravars"]["gguf_weights_hub_token"] == "********" and report["extravars"]["x"] == "3"
+    assert report["extravars"]["weights_hub_token"] == "********" and report["extravars"]["x"] == "3"
     assert not (pdd / "env" / "extravars").exists()
     assert (pdd.stat().st_mode & 0o777) == 0o700 and (report_dir.stat().st_mode & 0o777) == 0o700
     for path in (report_dir / "run.json", report_dir / "summary.txt", pdd / "env" / "envvars"):
@@ -322,7 +322,7 @@ def test_one_exit_status_in_the_cli_the_summary_and_the_html(scratch, capsys, mo
     from mlafleet.cli import main
 
     playbook = scratch["root"] / "fail.yml"
-    playbook.write_text(LEAK_PLAY.replace("{{ gguf_weights_hub_token }} (key {{ vllm_server_api_key }})", "x"))
+    playbook.write_text(LEAK_PLAY.replace("{{ weights_hub_token }} (key {{ vllm_server_api_key }})", "x"))
     monkeypatch.setenv("MLAFLEET_RUNNER_ROOT", str(scratch["runner"]))
     monkeypatch.setenv("MLAFLEET_REPORT_ROOT", str(scratch["reports"]))
     code = main(["rollout", "-i", str(scratch["inventory"]), "--limit", "h1", "--run", "ex-1", "--playbook", str(playbook)])

@@ -138,7 +138,7 @@ def test_load_manifest_refuses_an_incomplete_shard_list(tmp_path: Path) -> None:
     with pytest.raises(weights.WeightsError, match=r"does not list shards 1..3 of 3 exactly once \(missing \[3\]"):
         weights.load_manifest(path)
     path.write_text("{}")
-    with pytest.raises(weights.WeightsError, match="not an mlafleet GGUF manifest"):
+    with pytest.raises(weights.WeightsError, match="not an mlafleet weights manifest"):
         weights.load_manifest(path)
 
 

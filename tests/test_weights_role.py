@@ -1,4 +1,4 @@
-"""The gguf_weights role: its fan-out plan, and real ansible-playbook runs on the controller itself.
+"""The weights role: its fan-out plan, and real ansible-playbook runs on the controller itself.
 
 The two-host peer fan-out over SSH runs in the molecule scenario `weights`; here the role runs on
 localhost (connection local) with a path source and a hub source, which exercises its templates,
@@ -20,8 +20,8 @@ from weights_support import TOKEN, hub, mirror, write_model
 from mlafleet.weights import shards as weights
 
 REPO = Path(__file__).resolve().parent.parent
-PLUGIN = REPO / "plugins" / "filter" / "gguf_weights_fanout.py"
-_spec = importlib.util.spec_from_file_location("gguf_weights_fanout", PLUGIN)
+PLUGIN = REPO / "plugins" / "filter" / "weights_fanout.py"
+_spec = importlib.util.spec_from_file_location("weights_fanout", PLUGIN)
 fanout_module = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fanout_module)
 fanout = fanout_module.fanout
@@ -69,7 +69,7 @@ PLAYBOOK = """\
   hosts: all
   gather_facts: false
   roles:
-    - role: gguf_weights
+    - role: weights
 """
 
 
@@ -79,7 +79,7 @@ def run_role(tmp_path: Path, extra: dict, *args: str, stdout_callback: str = "js
     extra_file = tmp_path / "extra.json"
     extra_file.write_text(json.dumps({"ansible_python_interpreter": sys.executable, **extra}))
     env = {**os.environ, "ANSIBLE_ROLES_PATH": str(REPO / "roles"), "ANSIBLE_STDOUT_CALLBACK": stdout_callback,
-           # the role calls the collection's modules and filters by name (mlafleet.fleet.gguf_weights_stage)
+           # the role calls the collection's modules and filters by name (mlafleet.fleet.weights_stage)
            "ANSIBLE_COLLECTIONS_PATH": str(REPO / "collections"),
            "ANSIBLE_LOCAL_TEMP": str(tmp_path / ".ansible-tmp"), "ANSIBLE_NOCOLOR": "1",
            "ANSIBLE_DEPRECATION_WARNINGS": "0"}
@@ -105,9 +105,9 @@ def staged_setup(tmp_path: Path) -> tuple[Path, Path]:
 def test_role_stages_merges_and_reruns_without_change(staged_setup, tmp_path: Path) -> None:
     origin, manifest = staged_setup
     dest = tmp_path / "models"
-    extra = {"gguf_weights_manifest": str(manifest), "gguf_weights_source": "path",
-             "gguf_weights_path": str(origin), "gguf_weights_root": str(dest), "gguf_weights_reserve_mb": 0,
-             "gguf_weights_merge": True}
+    extra = {"weights_manifest": str(manifest), "weights_source": "path",
+             "weights_path": str(origin), "weights_root": str(dest), "weights_reserve_mb": 0,
+             "weights_gguf_merge": True}
 
     done, stats = run_role(tmp_path, extra, "--check")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
@@ -132,8 +132,8 @@ def test_a_corrupt_chunk_is_named_and_fetched_again_at_the_default_verbosity(sta
     the spot check's line names it corrupt with its chunk and says it was fetched again."""
     origin, manifest = staged_setup
     dest = tmp_path / "models"
-    extra = {"gguf_weights_manifest": str(manifest), "gguf_weights_source": "path",
-             "gguf_weights_path": str(origin), "gguf_weights_root": str(dest), "gguf_weights_reserve_mb": 0}
+    extra = {"weights_manifest": str(manifest), "weights_source": "path",
+             "weights_path": str(origin), "weights_root": str(dest), "weights_reserve_mb": 0}
     done, _ = run_role(tmp_path, extra)
     assert done.returncode == 0, done.stdout[-3000:]
     shard = dest / "tiny-glm" / "tiny-glm-00002-of-00003.gguf"
@@ -157,8 +157,8 @@ def test_a_corrupt_chunk_is_named_and_fetched_again_at_the_default_verbosity(sta
 def test_role_refuses_a_missing_shard(staged_setup, tmp_path: Path) -> None:
     origin, manifest = staged_setup
     (origin / "tiny-glm-00002-of-00003.gguf").unlink()
-    extra = {"gguf_weights_manifest": str(manifest), "gguf_weights_source": "path", "gguf_weights_path": str(origin),
-             "gguf_weights_root": str(tmp_path / "models"), "gguf_weights_reserve_mb": 0, "gguf_weights_retries": 0}
+    extra = {"weights_manifest": str(manifest), "weights_source": "path", "weights_path": str(origin),
+             "weights_root": str(tmp_path / "models"), "weights_reserve_mb": 0, "weights_retries": 0}
     done, stats = run_role(tmp_path, extra)
     assert done.returncode != 0 and stats["failures"] == 1
     assert "tiny-glm-00002-of-00003.gguf: the shard is missing at the source" in done.stdout
@@ -167,26 +167,26 @@ def test_role_refuses_a_missing_shard(staged_setup, tmp_path: Path) -> None:
 def test_role_hub_token_never_reaches_ansible_output(staged_setup, tmp_path: Path) -> None:
     origin, manifest = staged_setup
     with mirror(origin) as cdn, hub(cdn.url) as hub_server:
-        extra = {"gguf_weights_manifest": str(manifest), "gguf_weights_source": "hub",
-                 "gguf_weights_hub_endpoint": hub_server.url, "gguf_weights_hub_repo": "zai-org/GLM-5-GGUF",
-                 "gguf_weights_hub_token": TOKEN, "gguf_weights_root": str(tmp_path / "models"),
-                 "gguf_weights_reserve_mb": 0}
+        extra = {"weights_manifest": str(manifest), "weights_source": "hub",
+                 "weights_hub_endpoint": hub_server.url, "weights_hub_repo": "zai-org/GLM-5-GGUF",
+                 "weights_hub_token": TOKEN, "weights_root": str(tmp_path / "models"), "weights_hub_revision": "ab" * 20,
+                 "weights_reserve_mb": 0}
         done, stats = run_role(tmp_path, extra, "-vvv")
         assert done.returncode == 0, done.stdout[-3000:]
         assert len(hub_server.seen) == 3 and all(auth == f"Bearer {TOKEN}" for _, auth in hub_server.seen)
         assert TOKEN not in done.stdout + done.stderr
 
-        extra["gguf_weights_hub_token"] = TOKEN + "-revoked"
-        extra["gguf_weights_root"] = str(tmp_path / "other")
-        extra["gguf_weights_retries"] = 0
+        extra["weights_hub_token"] = TOKEN + "-revoked"
+        extra["weights_root"] = str(tmp_path / "other")
+        extra["weights_retries"] = 0
         done, _ = run_role(tmp_path, extra, "-vvv")
         assert done.returncode != 0 and "HTTP 401" in done.stdout
         assert TOKEN not in done.stdout + done.stderr
 
 
 def test_role_argument_spec_names_bad_input(tmp_path: Path) -> None:
-    done, _ = run_role(tmp_path, {"gguf_weights_manifest": "/x.json", "gguf_weights_source": "ftp"})
-    assert done.returncode != 0 and "gguf_weights_source" in done.stdout and "ftp" in done.stdout
+    done, _ = run_role(tmp_path, {"weights_manifest": "/x.json", "weights_source": "ftp"})
+    assert done.returncode != 0 and "weights_source" in done.stdout and "ftp" in done.stdout
 
 
 @pytest.mark.parametrize("change, message", [
@@ -208,8 +208,8 @@ def test_role_refuses_bad_manifest_names_before_anything_is_created(staged_setup
     bad = tmp_path / "bad-manifest.json"
     bad.write_text(json.dumps(manifest))
     root = tmp_path / "a" / "b" / "c" / "models"
-    extra = {"gguf_weights_manifest": str(bad), "gguf_weights_source": "path", "gguf_weights_path": str(origin),
-             "gguf_weights_root": str(root), "gguf_weights_reserve_mb": 0}
+    extra = {"weights_manifest": str(bad), "weights_source": "path", "weights_path": str(origin),
+             "weights_root": str(root), "weights_reserve_mb": 0}
     done, stats = run_role(tmp_path, extra)
     assert done.returncode != 0 and stats["failures"] == 1
     assert message in done.stdout and "nothing was created" in done.stdout

@@ -1,7 +1,7 @@
 """Staging: HTTP mirror with resume, local path, peer rsync, hub token, stamps, space, corruption.
 
-Everything runs the host-side staging code the gguf_weights role ships with its module
-(plugins/module_utils/gguf_stage.py) against real files and real servers.
+Everything runs the host-side staging code the weights role ships with its module
+(plugins/module_utils/weights_stage.py) against real files and real servers.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ import pytest
 from weights_support import TOKEN, HubHandler, hub, mirror, serving, write_model
 
 from ansible_collections.mlafleet.fleet.plugins.module_utils import digest
-from ansible_collections.mlafleet.fleet.plugins.module_utils import gguf_stage as host
+from ansible_collections.mlafleet.fleet.plugins.module_utils import weights_stage as host
 from mlafleet.weights import shards as weights
 from mlafleet.weights.mirror import MirrorHandler
 
 REPO = Path(__file__).resolve().parent.parent
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 @pytest.fixture()
@@ -77,7 +78,7 @@ def test_download_killed_mid_shard_resumes_with_a_range_request(model, tmp_path:
         proc = subprocess.Popen(
             [sys.executable, "-m", "mlafleet.weights", "weights", "stage", "--manifest", str(tmp_path / "manifest.json"),
              "--dest", str(dest), "--from-url", server.url, "--reserve-mb", "0"],
-            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+            cwd=REPO, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "collections")])},
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
         while not (first.exists() and first.stat().st_size > 200_000) and time.monotonic() < deadline:
@@ -286,9 +287,9 @@ def test_unreachable_peer_fails_with_its_name(model, tmp_path: Path) -> None:
 def test_hub_request_carries_the_token_only_to_the_hub(model, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture) -> None:
     origin, _, shards = model
-    source = host.hub_source("https://hub.example", "zai-org/GLM-5-GGUF", "v1.0", TOKEN)
+    source = host.hub_source("https://hub.example", "zai-org/GLM-5-GGUF", COMMIT, TOKEN)
     request = source.request(shards[0].name, 0)
-    assert request.full_url == f"https://hub.example/zai-org/GLM-5-GGUF/resolve/v1.0/{shards[0].name}"
+    assert request.full_url == f"https://hub.example/zai-org/GLM-5-GGUF/resolve/{COMMIT}/{shards[0].name}"
     assert request.get_header("Authorization") == f"Bearer {TOKEN}"
     assert TOKEN not in source.label
 
@@ -297,9 +298,10 @@ def test_hub_request_carries_the_token_only_to_the_hub(model, tmp_path: Path,
         token_file.write_text(TOKEN + "\n")
         code = weights.main(["weights", "stage", "--manifest", str(tmp_path / "manifest.json"),
                              "--dest", str(tmp_path / "dest"), "--from-hub", "zai-org/GLM-5-GGUF",
-                             "--hub-endpoint", hub_server.url, "--token-file", str(token_file), "--reserve-mb", "0"])
+                             "--hub-endpoint", hub_server.url, "--token-file", str(token_file), "--reserve-mb", "0",
+                             "--revision", COMMIT])
         assert code == 0
-        assert [path for path, _ in hub_server.seen] == [f"/zai-org/GLM-5-GGUF/resolve/main/{s.name}" for s in shards]
+        assert [path for path, _ in hub_server.seen] == [f"/zai-org/GLM-5-GGUF/resolve/{COMMIT}/{s.name}" for s in shards]
         assert all(auth == f"Bearer {TOKEN}" for _, auth in hub_server.seen)
         cdn_gets = [line for line in cdn.requests if " GET " in line]
         assert len(cdn_gets) == 3 and all(" auth=no " in line for line in cdn_gets)
@@ -308,11 +310,19 @@ def test_hub_request_carries_the_token_only_to_the_hub(model, tmp_path: Path,
         token_file.write_text("hf_wrong_" + TOKEN)
         code = weights.main(["weights", "stage", "--manifest", str(tmp_path / "manifest.json"),
                              "--dest", str(tmp_path / "dest2"), "--from-hub", "zai-org/GLM-5-GGUF",
-                             "--hub-endpoint", hub_server.url, "--token-file", str(token_file), "--retries", "0"])
+                             "--hub-endpoint", hub_server.url, "--token-file", str(token_file), "--retries", "0",
+                             "--revision", COMMIT])
         assert code == 2
     out = capsys.readouterr()
     assert "HTTP 401" in out.err
     assert TOKEN not in out.out + out.err
+
+
+@pytest.mark.parametrize("revision", ["main", "v1.0", "refs/pr/1", COMMIT[:12], COMMIT.upper(), ""])
+def test_a_hub_revision_that_is_not_a_commit_is_refused(revision: str) -> None:
+    """Staging from a hub pins a commit: a branch or tag could give hosts different bytes."""
+    with pytest.raises(host.StageError, match="is not a commit \\(40 hex digits\\): a branch or tag name can move"):
+        host.make_source({"type": "hub", "repo": "zai-org/GLM-5-FP8", "revision": revision, "token": TOKEN})
 
 
 def test_redaction_hides_the_token_in_any_message() -> None:
@@ -358,7 +368,7 @@ def _manifest(model: str = "m", count: int = 2, names: list[str] | None = None) 
 
 
 @pytest.mark.parametrize("manifest, message", [
-    ({"format": "other"}, "not an mlafleet GGUF manifest"),
+    ({"format": "other"}, "not an mlafleet weights manifest"),
     (_manifest(model="../../tmp/evil", names=["x-00001-of-00002.gguf", "x-00002-of-00002.gguf"]), "not a plain name"),
     (_manifest(model="a/b", names=["b-00001-of-00002.gguf", "b-00002-of-00002.gguf"]), "not a plain name"),
     (_manifest(model="..", names=["m-00001-of-00002.gguf", "m-00002-of-00002.gguf"]), "not a plain name"),
@@ -387,7 +397,7 @@ def test_host_module_needs_only_the_standard_library() -> None:
     code = textwrap.dedent(f"""
         import importlib.util, sys
         sys.path.insert(0, {str(REPO / 'collections')!r})
-        spec = importlib.util.spec_from_file_location("m", {str(modules / 'gguf_weights_stage.py')!r})
+        spec = importlib.util.spec_from_file_location("m", {str(modules / 'weights_stage.py')!r})
         module = importlib.util.module_from_spec(spec); sys.modules["m"] = module; spec.loader.exec_module(module)
         spec = importlib.util.spec_from_file_location("g", {str(modules / 'gguf_weights_merge.py')!r})
         module = importlib.util.module_from_spec(spec); sys.modules["g"] = module; spec.loader.exec_module(module)
@@ -400,7 +410,8 @@ def test_host_module_needs_only_the_standard_library() -> None:
     # Only the collection's own module_utils (the namespace packages above them included).
     utils = "ansible_collections.mlafleet.fleet.plugins.module_utils"
     loaded = ast.literal_eval(collection)
-    assert {n for n in loaded if n.startswith(utils + ".")} == {f"{utils}.{m}" for m in ("digest", "gguf_merge", "gguf_stage")}
+    assert {n for n in loaded if n.startswith(utils + ".")} == {f"{utils}.{m}" for m in ("digest", "gguf_merge", "safetensors_check",
+                                                                           "weights_stage")}
     assert all(utils.startswith(n) or n.startswith(utils + ".") for n in loaded)
 
 
@@ -495,15 +506,45 @@ def test_random_picks_find_a_flip_in_proportion(chunked, tmp_path: Path) -> None
     assert abs(found / 300 - 2 / n) < 0.06, (found, n)
 
 
-def test_manifests_without_chunk_hashes_are_named_unchecked(model, tmp_path: Path) -> None:
+def test_without_manifest_chunk_hashes_the_first_staging_keeps_them_in_the_stamp(model, tmp_path: Path) -> None:
+    """A manifest read from the hub has each file's sha256 but no chunk sha256: the first staging
+    computes them on the way in from the bytes whose sha256 matched, keeps them in the stamp, and
+    the spot check reads them from there; a stamp without them (older mlafleet) is named unchecked."""
     origin, manifest, _ = model
     entries = [{k: v for k, v in e.items() if k not in ("chunk_size", "chunks")} for e in manifest["shards"]]
     shards = host.parse_shards(entries)
     dest = tmp_path / "dest"
+    with mirror(origin) as server:  # hashed on the way in (http), and from a path
+        host.stage(str(dest), shards[:2], [host.HttpSource(server.url)])
     host.stage(str(dest), shards, [host.PathSource(str(origin))])
-    again = host.stage(str(dest), shards, [host.PathSource(str(origin))], spot_chunks=2)
-    assert again["spot_check"]["unchecked"] == [s.name for s in shards] and again["spot_check"]["chunks"] == 0
-    assert "3 shards have no chunk sha256 in the manifest" in again["spot_check"]["summary"]
+    for entry in manifest["shards"]:
+        stamp = json.loads((dest / ".mlafleet-stamps" / (entry["name"] + ".json")).read_text())
+        assert stamp["chunk_size"] == host.MANIFEST_CHUNK and stamp["chunks"] == entry["chunks"]  # 64 MiB chunks
+    flip(dest / shards[1].name, 1000)
+    log: list[str] = []
+    again = host.stage(str(dest), shards, [host.PathSource(str(origin))], spot_chunks=2, log=log.append)
+    assert again["spot_check"]["unchecked"] == [] and again["spot_check"]["chunks"] == 3
+    assert again["fetched"] == [shards[1].name] and "corrupt" in " ".join(log)
+    assert (dest / shards[1].name).read_bytes() == (origin / shards[1].name).read_bytes()
+
+    for shard in shards:  # stamps written before chunk sha256 were kept
+        path = dest / ".mlafleet-stamps" / (shard.name + ".json")
+        stamp = json.loads(path.read_text())
+        path.write_text(json.dumps({k: v for k, v in stamp.items() if k not in ("chunk_size", "chunks")}))
+    old = host.prove_present(str(dest), shards, spot_chunks=2)
+    assert old["spot_check"]["unchecked"] == [s.name for s in shards] and old["spot_check"]["chunks"] == 0
+    assert "3 shards have no chunk sha256 in the manifest or their stamp" in old["spot_check"]["summary"]
+
+
+def flip(path: Path, offset: int) -> None:
+    """Flip one bit at `offset`, keeping the file's size and mtime (its stamp still matches)."""
+    st = path.stat()
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        byte = handle.read(1)
+        handle.seek(offset)
+        handle.write(bytes([byte[0] ^ 1]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 @pytest.mark.parametrize(("extra", "message"), [

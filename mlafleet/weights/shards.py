@@ -1,10 +1,13 @@
-"""`mlafleet weights`: GGUF shard manifests, and staging on the controller.
+"""`mlafleet weights`: manifests of GGUF shards and safetensors snapshots, and staging on the controller.
 
 - `manifest DIR` hashes the shards in parallel (with a progress bar), reads their GGUF headers
   with the `gguf` package and checks that split.no / split.count / split.tensors.count agree
-  and that the shards belong to one model, then writes a JSON manifest.
-- `stage`, `verify` and `merge` run the same host-side code that the gguf_weights role ships to
-  hosts (the collection's module_utils gguf_stage and gguf_merge, which its modules call), here on
+  and that the shards belong to one model, then writes a JSON manifest. A DIR holding a
+  safetensors snapshot (config.json and .safetensors files), or `--hub OWNER/NAME` without DIR,
+  gives a safetensors manifest instead (mlafleet.weights.snapshot).
+- `check DIR` runs the checks before serving on a safetensors snapshot (index, headers, FP8 scales).
+- `stage`, `verify` and `merge` run the same host-side code that the weights role ships to
+  hosts (the collection's module_utils weights_stage and gguf_merge, which its modules call), here on
   the controller or a shared filesystem, imported by their collection name.
 - `serve DIR` runs a ranged HTTP mirror (mlafleet.weights.mirror).
 
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Callable
 
-from ansible_collections.mlafleet.fleet.plugins.module_utils import gguf_merge, gguf_stage
+from ansible_collections.mlafleet.fleet.plugins.module_utils import gguf_merge, safetensors_check, weights_stage
 from ansible_collections.mlafleet.fleet.plugins.module_utils.digest import hash_file
 
 MANIFEST_FORMAT = "mlafleet-gguf-manifest/1"
@@ -194,7 +197,7 @@ def build_manifest(directory: Path, model: str | None = None, jobs: int = 4,
                    progress_stream: IO[str] | None = None, chunk_size: int | None = None) -> dict:
     """The manifest of one model's shards in `directory`: headers checked, sha256 in parallel,
     with the sha256 of every chunk_size bytes (default 64 MiB) for the hosts' spot checks."""
-    chunk_size = gguf_stage.MANIFEST_CHUNK if chunk_size is None else chunk_size
+    chunk_size = weights_stage.MANIFEST_CHUNK if chunk_size is None else chunk_size
     paths = find_shards(directory, model)
     headers = [read_split_header(p) for p in paths]
     summary = check_split_headers(headers)
@@ -215,8 +218,8 @@ def build_manifest(directory: Path, model: str | None = None, jobs: int = 4,
                    for p, h in zip(paths, headers)],
     }
     try:  # what the role and the host module will check: a name they refuse is refused here already
-        gguf_stage.check_manifest(manifest)
-    except gguf_stage.StageError as err:
+        weights_stage.check_manifest(manifest)
+    except weights_stage.StageError as err:
         raise WeightsError(f"{directory}: {err}") from None
     return manifest
 
@@ -228,15 +231,15 @@ def load_manifest(path: Path) -> dict:
     except (OSError, ValueError) as err:
         raise WeightsError(f"cannot read manifest {path}: {err}") from None
     try:
-        gguf_stage.check_manifest(manifest)
-    except gguf_stage.StageError as err:
+        weights_stage.check_manifest(manifest)
+    except weights_stage.StageError as err:
         raise WeightsError(f"{path}: {err}") from None
     return manifest
 
 
 # --- CLI -------------------------------------------------------------------------------------
 
-def _source_specs(args: argparse.Namespace) -> list[dict]:
+def _source_specs(args: argparse.Namespace, manifest_revision: str = "") -> list[dict]:
     specs: list[dict] = []
     if args.from_path:
         specs.append({"type": "path", "path": args.from_path})
@@ -250,23 +253,53 @@ def _source_specs(args: argparse.Namespace) -> list[dict]:
         token = os.environ.get(HUB_TOKEN_ENV, "")
         if args.token_file:
             token = Path(args.token_file).read_text(encoding="utf-8").strip()
-        specs.append({"type": "hub", "repo": args.from_hub, "revision": args.revision,
+        specs.append({"type": "hub", "repo": args.from_hub, "revision": args.revision or manifest_revision,
                       "endpoint": args.hub_endpoint, "token": token})
     return specs
 
 
+def hub_token(args: argparse.Namespace) -> str:
+    if getattr(args, "token_file", None):
+        return Path(args.token_file).read_text(encoding="utf-8").strip()
+    return os.environ.get(HUB_TOKEN_ENV, "") or os.environ.get("HF_TOKEN", "")
+
+
 def cmd_manifest(args: argparse.Namespace) -> int:
+    from mlafleet.weights import snapshot
+
     if args.chunk_mib < 1:
         raise WeightsError(f"--chunk-mib must be at least 1, not {args.chunk_mib}")
-    manifest = build_manifest(Path(args.directory), args.model, args.jobs,
-                              None if args.quiet else sys.stderr, args.chunk_mib << 20)
+    if bool(args.hub) == bool(args.directory):
+        raise WeightsError("give a DIRECTORY or --hub OWNER/NAME (one of them)")
+    try:
+        if args.hub:
+            token = hub_token(args)
+            try:
+                manifest = snapshot.build_from_hub(args.hub, args.revision or "main", args.hub_endpoint, token,
+                                                   args.model, args.chunk_mib << 20)
+            except snapshot.SnapshotError as err:
+                raise WeightsError(weights_stage.redact(str(err), [token])) from None
+        elif snapshot.is_snapshot(Path(args.directory)):
+            manifest = snapshot.build_from_directory(Path(args.directory), args.model, args.revision or None,
+                                                     args.repo, args.jobs, None if args.quiet else sys.stderr,
+                                                     args.chunk_mib << 20)
+        else:
+            manifest = build_manifest(Path(args.directory), args.model, args.jobs,
+                                      None if args.quiet else sys.stderr, args.chunk_mib << 20)
+    except snapshot.SnapshotError as err:
+        raise WeightsError(str(err)) from None
     text = json.dumps(manifest, indent=2) + "\n"
     if args.output:
         tmp = Path(args.output + ".partial")
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, args.output)
-        print(f"{args.output}: {manifest['split_count']} shards, {manifest['total_size']} bytes, "
-              f"{manifest['tensor_count']} tensors ({manifest['architecture']})", file=sys.stderr)
+        if manifest["format"] == snapshot.FORMAT:
+            print(f"{args.output}: {manifest['file_count']} files ({manifest['safetensors_count']} safetensors), "
+                  f"{manifest['total_size']} bytes, revision {manifest['revision'] or 'none (not from a hub)'}",
+                  file=sys.stderr)
+        else:
+            print(f"{args.output}: {manifest['split_count']} shards, {manifest['total_size']} bytes, "
+                  f"{manifest['tensor_count']} tensors ({manifest['architecture']})", file=sys.stderr)
     else:
         sys.stdout.write(text)
     return 0
@@ -274,45 +307,62 @@ def cmd_manifest(args: argparse.Namespace) -> int:
 
 def cmd_stage(args: argparse.Namespace) -> int:
     manifest = load_manifest(Path(args.manifest))
-    specs = _source_specs(args)
+    specs = _source_specs(args, manifest.get("revision") or "")
     secrets = [s.get("token", "") for s in specs]
 
     def log(message: str) -> None:
-        print(gguf_stage.redact(message, secrets), file=sys.stderr, flush=True)
+        print(weights_stage.redact(message, secrets), file=sys.stderr, flush=True)
 
     try:
-        shards = gguf_stage.parse_shards(manifest["shards"])
-        sources = [gguf_stage.make_source(spec, args.timeout) for spec in specs]
-        result = gguf_stage.stage(args.dest, shards, sources, verify=args.verify, retries=args.retries,
+        shards = weights_stage.check_manifest(manifest)
+        sources = [weights_stage.make_source(spec, args.timeout) for spec in specs]
+        result = weights_stage.stage(args.dest, shards, sources, verify=args.verify, retries=args.retries,
                                   reserve=args.reserve_mb << 20, check_mode=args.check, log=log,
                                   spot_chunks=args.spot_chunks)
-    except gguf_stage.StageError as err:
-        raise WeightsError(gguf_stage.redact(str(err), secrets)) from None
+    except weights_stage.StageError as err:
+        raise WeightsError(weights_stage.redact(str(err), secrets)) from None
     verb = "would fetch" if args.check else "fetched"
-    print(f"{args.dest}: {result['present']} of {result['expected']} shards verified; {verb} "
+    print(f"{args.dest}: {result['present']} of {result['expected']} files verified; {verb} "
           f"{len(result['fetched'])}, re-stamped {len(result['restamped'])}", file=sys.stderr)
-    return 0
+    return 0 if args.check else cmd_verify(args)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     manifest = load_manifest(Path(args.manifest))
+    files = weights_stage.check_manifest(manifest)
     try:
-        result = gguf_stage.prove_present(args.dest, gguf_stage.parse_shards(manifest["shards"]), args.verify,
-                                          args.spot_chunks)
-    except gguf_stage.StageError as err:
+        result = weights_stage.prove_present(args.dest, files, args.verify, args.spot_chunks)
+        checked = (safetensors_check.check_snapshot(args.dest, [f.name for f in files])
+                   if weights_stage.manifest_format(manifest) == "safetensors" else None)
+    except (weights_stage.StageError, safetensors_check.CheckError) as err:
         raise WeightsError(str(err)) from None
-    print(f"{args.dest}: all {result['present']} of {result['expected']} shards present and verified; "
-          f"{result['spot_check']['summary']}", file=sys.stderr)
+    print(f"{args.dest}: all {result['present']} of {result['expected']} files present and verified; "
+          f"{result['spot_check']['summary']}" + (f"; {checked['summary']}" if checked else ""), file=sys.stderr)
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from mlafleet.weights import snapshot
+
+    try:
+        if args.manifest:
+            names = [f.name for f in weights_stage.check_manifest(load_manifest(Path(args.manifest)))]
+        else:
+            names = [p.name for p in snapshot.snapshot_files(Path(args.directory))[0]]
+        checked = safetensors_check.check_snapshot(args.directory, names)
+    except (weights_stage.StageError, safetensors_check.CheckError, snapshot.SnapshotError) as err:
+        raise WeightsError(f"{args.directory}: {err}") from None
+    print(f"{args.directory}: {checked['summary']}", file=sys.stderr)
     return 0
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
     manifest = load_manifest(Path(args.manifest))
     try:
-        shards = gguf_stage.parse_shards(manifest["shards"])
-        gguf_stage.prove_present(args.dest, shards)
+        shards = weights_stage.parse_shards(manifest.get("shards") or [])
+        weights_stage.prove_present(args.dest, shards)
         result = gguf_merge.merge(args.dest, [s.name for s in shards], args.output)
-    except (gguf_stage.StageError, gguf_merge.MergeError) as err:
+    except (weights_stage.StageError, gguf_merge.MergeError) as err:
         raise WeightsError(str(err)) from None
     state = "written" if result["changed"] else "up to date"
     print(f"{args.output}: {result['tensors']} tensors, {result['size']} bytes, {state}", file=sys.stderr)
@@ -337,14 +387,24 @@ def _guarded(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Na
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("weights", help="GGUF shard manifests and staging",
+    parser = subparsers.add_parser("weights", help="GGUF and safetensors manifests, staging and checks",
                                    description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="weights_command", required=True, metavar="ACTION")
 
-    manifest = commands.add_parser("manifest", help="build a manifest (sha256, GGUF split checks) for DIR")
-    manifest.add_argument("directory")
+    manifest = commands.add_parser("manifest", help="build a manifest of GGUF shards or a safetensors snapshot "
+                                                    "in DIR, or of a hub repository (--hub) without downloading it")
+    manifest.add_argument("directory", nargs="?")
+    manifest.add_argument("--hub", metavar="OWNER/NAME", help="a hub repository (safetensors); its LFS files are not "
+                          f"downloaded; the token comes from ${HUB_TOKEN_ENV}, $HF_TOKEN or --token-file")
+    manifest.add_argument("--revision", default="",
+                          help="with --hub: branch, tag or commit, pinned as its commit (default main); with DIR: "
+                               "the commit the snapshot is of (40 hex digits; read from a hub cache's snapshots/<commit>)")
+    manifest.add_argument("--repo", help="with DIR: the hub repository the snapshot is of (recorded)")
+    manifest.add_argument("--hub-endpoint", default=None, help="hub URL (default $HF_ENDPOINT or https://huggingface.co)")
+    manifest.add_argument("--token-file", help="file holding the hub token (never printed)")
     manifest.add_argument("-o", "--output", help="write the manifest here (default: stdout)")
-    manifest.add_argument("--model", help="the shard name prefix, when DIR holds several models")
+    manifest.add_argument("--model", help="GGUF: the shard name prefix, when DIR holds several models; "
+                                          "safetensors: the model (directory) name")
     manifest.add_argument("-j", "--jobs", type=int, default=min(8, os.cpu_count() or 1),
                           help="shards hashed in parallel")
     manifest.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -360,8 +420,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stage.add_argument("--from-url", help="an HTTP(S) mirror serving URL/<shard name>")
     stage.add_argument("--from-hub", metavar="OWNER/NAME",
                        help=f"a model hub repository; the token comes from ${HUB_TOKEN_ENV} or --token-file")
-    stage.add_argument("--revision", default="main")
-    stage.add_argument("--hub-endpoint", default="https://huggingface.co")
+    stage.add_argument("--revision", default="",
+                       help="the hub commit (40 hex digits; default: the manifest's revision); branch names are refused")
+    stage.add_argument("--hub-endpoint", default=os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
     stage.add_argument("--token-file", help="file holding the hub token (never printed)")
     stage.add_argument("--verify", choices=["stamp", "full"], default="stamp")
     stage.add_argument("--spot-chunks", type=int, default=2,
@@ -379,6 +440,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     verify.add_argument("--spot-chunks", type=int, default=2,
                      help="chunks per stamped shard re-hashed at random on every run (0: none)")
     verify.set_defaults(func=_guarded(cmd_verify))
+
+    check = commands.add_parser("check", help="check a safetensors snapshot before serving (index, headers, "
+                                              "FP8 block scales)")
+    check.add_argument("directory")
+    check.add_argument("--manifest", help="check the files this manifest lists (default: DIR's files)")
+    check.set_defaults(func=_guarded(cmd_check))
 
     merge = commands.add_parser("merge", help="stream the shards into one GGUF file")
     merge.add_argument("--manifest", required=True)

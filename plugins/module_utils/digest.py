@@ -1,6 +1,6 @@
 """sha256 of a file, the one implementation the collection's modules share.
 
-gguf_stage (shards, and the per-chunk sha256 of its spot check) and mlafleet_vllm_patch
+weights_stage (shards, and the per-chunk sha256 of its spot check) and mlafleet_vllm_patch
 (vLLM's files against the patch set's manifest) hash files with it on the hosts; on the
 controller the mlafleet package imports it by the same name (`mlafleet weights manifest`, the
 patch set builder, the wheelhouse). Standard library only: hosts carry nothing but their

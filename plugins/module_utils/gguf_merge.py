@@ -3,7 +3,7 @@
 For vLLM versions that load a single GGUF file only. The merged file carries the first shard's
 metadata without the split.* keys, every shard's tensor infos with offsets rebased onto one data
 section, and the shards' data sections copied in order, chunk by chunk (never a whole file in
-memory). Like gguf_stage it runs on hosts (shipped with the module `mlafleet.fleet.gguf_weights_merge`)
+memory). Like weights_stage it runs on hosts (shipped with the module `mlafleet.fleet.gguf_weights_merge`)
 and on the controller (`mlafleet weights merge`): standard library only.
 
 GGUF layout used here (little-endian, version 2 or 3): magic "GGUF", u32 version, u64 tensor

@@ -31,8 +31,8 @@ attributes:
     support: full
     description: Reports whether the merged file would be written.
 notes:
-  - Stage and verify the shards first (M(mlafleet.fleet.gguf_weights_stage)); the role
-    mlafleet.fleet.gguf_weights does both with O(output) under the model's directory.
+  - Stage and verify the shards first (M(mlafleet.fleet.weights_stage)); the role
+    mlafleet.fleet.weights does both with O(output) under the model's directory.
 """
 
 EXAMPLES = r"""

@@ -40,7 +40,7 @@ def declared_variables(repo: Path = REPO) -> dict[str, dict[str, Any]]:
 
 
 def prefixes(repo: Path = REPO) -> set[str]:
-    """`vllm_server_`, `vllm_`, `gguf_weights_`, `gguf_`, ... and `mlafleet_`."""
+    """`vllm_server_`, `vllm_`, `weights_`, `gguf_`, ... and `mlafleet_`."""
     out = {"mlafleet_"}
     for role in (repo / "roles").iterdir():
         if (role / "meta" / "argument_specs.yml").is_file():

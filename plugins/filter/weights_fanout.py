@@ -1,4 +1,4 @@
-"""Filter `gguf_weights_fanout`: which host fetches from the origin, which from which peer, and when.
+"""Filter `weights_fanout`: which host fetches from the origin, which from which peer, and when.
 
 Hosts are taken in play order. The first `origins` hosts fetch from the origin in wave 0; after
 that every host that holds the shards serves exactly one new host per wave, so the number of
@@ -14,9 +14,9 @@ def fanout(hosts: list[str], origins: int = 1, enabled: bool = True) -> dict[str
     """Map each host to {"wave": int, "peer": the host it pulls from, or None for the origin}."""
     hosts = list(hosts)
     if len(set(hosts)) != len(hosts):
-        raise ValueError(f"gguf_weights_fanout: duplicate hosts in {hosts}")
+        raise ValueError(f"weights_fanout: duplicate hosts in {hosts}")
     if isinstance(origins, bool) or not isinstance(origins, int) or origins < 1:
-        raise ValueError(f"gguf_weights_fanout: origins must be a positive integer, not {origins!r}")
+        raise ValueError(f"weights_fanout: origins must be a positive integer, not {origins!r}")
     plan: dict[str, dict] = {}
     for position, host in enumerate(hosts):
         if not enabled or position < origins:
@@ -31,4 +31,4 @@ def fanout(hosts: list[str], origins: int = 1, enabled: bool = True) -> dict[str
 
 class FilterModule:
     def filters(self) -> dict:
-        return {"gguf_weights_fanout": fanout}
+        return {"weights_fanout": fanout}

@@ -1,8 +1,8 @@
-"""Staging a model's GGUF shards into a directory, verified against a manifest.
+"""Staging a model's files (GGUF shards or a safetensors snapshot) into a directory, verified against a manifest.
 
 This file is the one place where staging happens. It runs on a host, shipped by Ansible with the
-collection's module `mlafleet.fleet.gguf_weights_stage` (which the gguf_weights role calls), and
-on the controller, where the filter `gguf_weights_manifest_problem` checks manifests with it and
+collection's module `mlafleet.fleet.weights_stage` (which the weights role calls), and
+on the controller, where the filter `weights_manifest_problem` checks manifests with it and
 `mlafleet weights` (manifest, stage, verify, merge) imports it by the same name, so it uses the
 standard library and the collection's module_utils only: hosts carry nothing but Debian's python3.
 
@@ -15,6 +15,15 @@ For every shard of the manifest:
     stopped, are checked against the manifest's sha256, then renamed atomically;
   - the free space for every byte still to come is checked before the first byte is written;
   - at the end, all N of N shards must be present and verified, or the run fails.
+
+Two manifest formats share this code (check_manifest): GGUF shards (`shards`, names
+<model>-0000K-of-0000N.gguf) and safetensors snapshots (`files`: config.json, tokenizer files,
+model-0000K-of-0000N.safetensors, model.safetensors.index.json; plain names, with the hub commit
+they were read at). A file whose manifest entry has no per-chunk sha256 (a manifest read from the
+hub, which gives each file's LFS sha256 but not its chunks) gets them on its first staging: they
+are computed from the same bytes whose whole sha256 matched the manifest, on the way in, and kept
+in its stamp, which the spot check then reads. The safetensors checks before serving (index,
+headers, FP8 block scales) are module_utils safetensors_check.
 
 Sources are tried in order for each shard: `http` (a mirror, ranged requests), `hub` (a model
 hub with a bearer token that never appears in output), `path` (a local or shared directory),
@@ -39,19 +48,24 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
-from ansible_collections.mlafleet.fleet.plugins.module_utils.digest import sha256_file
+from ansible_collections.mlafleet.fleet.plugins.module_utils.digest import hash_file, sha256_file
 
 CHUNK = 8 << 20
 # the manifest's per-chunk sha256 (what the spot check reads), mlafleet weights manifest's default
 MANIFEST_CHUNK = 64 << 20
 STAMP_DIR = ".mlafleet-stamps"
 MANIFEST_FORMAT = "mlafleet-gguf-manifest/1"
+SAFETENSORS_FORMAT = "mlafleet-safetensors-manifest/1"
 # A model name becomes a directory and every shard name a file in it: letters, digits, '.', '_',
 # '-', starting with a letter or digit, and never '..' (no separators, no way up or out).
 NAME_RE = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 MODEL_RE = re.compile(rf"^{NAME_RE}$")
 SHARD_RE = re.compile(rf"^(?P<model>{NAME_RE})-(?P<no>\d{{5}})-of-(?P<count>\d{{5}})\.gguf$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+FILE_RE = re.compile(rf"^{NAME_RE}$")
+SAFETENSORS_SHARD_RE = re.compile(r"^model-(?P<no>\d{5})-of-(?P<count>\d{5})\.safetensors$")
+# A hub revision at staging time: a commit (40 hex digits), never a branch or tag that can move.
+COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 
 Log = Callable[[str], None]
 
@@ -124,19 +138,87 @@ def parse_chunks(name: str, size: int, chunk_size: object, chunks: object) -> tu
     return chunk_size, digests
 
 
+def _parse_entry(entry: object, name_ok: Callable[[str], bool], what: str) -> Shard:
+    name = entry.get("name") if isinstance(entry, dict) else None
+    if not isinstance(name, str) or not name_ok(name) or ".." in name or name.endswith(".partial"):
+        raise StageError(f"manifest {what} name {name!r} is not a plain file name (letters, digits, '.', '_', '-', "
+                         "starting with a letter or digit; no separators, no '..', no .partial)")
+    size, sha = entry.get("size"), str(entry.get("sha256", "")).lower()
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise StageError(f"manifest {what} {name}: size {size!r} is not a non-negative integer")
+    if not SHA256_RE.match(sha):
+        raise StageError(f"manifest {what} {name}: sha256 {entry.get('sha256')!r} is not 64 hex digits")
+    chunk_size, chunks = parse_chunks(name, size, entry.get("chunk_size"), entry.get("chunks"))
+    return Shard(name, size, sha, chunk_size, chunks)
+
+
+def parse_files(entries: list[dict]) -> list[Shard]:
+    """Validate a safetensors snapshot's file list: plain names, each once, model shards 1..N of N."""
+    if not entries:
+        raise StageError("manifest lists no files")
+    files = [_parse_entry(e, lambda n: bool(FILE_RE.match(n)), "file") for e in entries]
+    names = [f.name for f in files]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise StageError(f"manifest lists files more than once: {twice}")
+    if "config.json" not in names:
+        raise StageError("manifest lists no config.json: not a model snapshot")
+    shards = [SAFETENSORS_SHARD_RE.match(n) for n in names]
+    shards = [m for m in shards if m]
+    if shards:
+        count = int(shards[0]["count"])
+        numbers = sorted(int(m["no"]) for m in shards)
+        if {int(m["count"]) for m in shards} != {count} or numbers != list(range(1, count + 1)):
+            missing = sorted(set(range(1, count + 1)) - set(numbers))
+            raise StageError(f"manifest does not list model-0000K-of-{count:05d}.safetensors 1..{count} of {count} "
+                             f"exactly once (missing {[f'model-{n:05d}-of-{count:05d}.safetensors' for n in missing[:8]]})")
+        if "model.safetensors.index.json" not in names:
+            raise StageError(f"manifest lists {count} safetensors shards but no model.safetensors.index.json")
+    elif "model.safetensors" not in names:
+        raise StageError("manifest lists neither model.safetensors nor model-0000K-of-0000N.safetensors with "
+                         "model.safetensors.index.json")
+    return sorted(files, key=lambda f: f.name)
+
+
+def check_revision(revision: object, where: str = "manifest revision") -> str:
+    """A pinned hub revision: 40 hex digits. A branch or tag name (which can move) is refused."""
+    if not isinstance(revision, str) or not COMMIT_RE.match(revision):
+        raise StageError(f"{where} {revision!r} is not a commit (40 hex digits): a branch or tag name can move "
+                         "between hosts and runs; pin the commit (`mlafleet weights manifest --hub` records it)")
+    return revision
+
+
+def manifest_format(manifest: object) -> str:
+    """'gguf' or 'safetensors', from the manifest's format field; StageError for anything else."""
+    fmt = manifest.get("format") if isinstance(manifest, dict) else None
+    if fmt == MANIFEST_FORMAT:
+        return "gguf"
+    if fmt == SAFETENSORS_FORMAT:
+        return "safetensors"
+    raise StageError(f"not an mlafleet weights manifest (format {MANIFEST_FORMAT} or {SAFETENSORS_FORMAT})")
+
+
 def check_manifest(manifest: object) -> list[Shard]:
     """Every name a manifest holds, checked before anything is created from it.
 
-    The format, the model name (a directory: no separators, no '..'), split_count, and the shard
+    A safetensors manifest: the model name, the revision (a commit, or null for a snapshot that
+    did not come from a hub), and its files (parse_files). A GGUF manifest:
+
+    the format, the model name (a directory: no separators, no '..'), split_count, and the shard
     list (parse_shards: the shard pattern, 1..N of N exactly once) with every shard of that model
-    and of split_count shards. Returns the shards; raises StageError naming the first problem.
+    and of split_count shards. Returns the files; raises StageError naming the first problem.
     """
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        raise StageError(f"not an mlafleet GGUF manifest (format {MANIFEST_FORMAT})")
+    fmt = manifest_format(manifest)
     model = manifest.get("model")
     if not isinstance(model, str) or not MODEL_RE.match(model) or ".." in model:
         raise StageError(f"manifest model {model!r} is not a plain name (letters, digits, '.', '_', '-', "
                          "starting with a letter or digit; no separators, no '..')")
+    if fmt == "safetensors":
+        if manifest.get("revision") is not None:
+            check_revision(manifest.get("revision"))
+        if not isinstance(manifest.get("files"), list):
+            raise StageError("manifest files is not a list")
+        return parse_files(manifest["files"])
     count = manifest.get("split_count")
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise StageError(f"manifest split_count {count!r} is not a positive integer")
@@ -172,14 +254,19 @@ class SpotCheck:
             text += f", {len(self.corrupt)} corrupt: " + "; ".join(
                 f"{c['shard']} chunk {c['chunk']} (of {c['of']}), {fate}" for c in self.corrupt)
         if self.unchecked:
-            text += f"; {len(self.unchecked)} shards have no chunk sha256 in the manifest (not spot-checked)"
+            text += (f"; {len(self.unchecked)} shards have no chunk sha256 in the manifest or their stamp "
+                     "(not spot-checked)")
         return text
 
 
-def spot_check(path: str, shard: Shard, count: int, report: SpotCheck, rng: random.Random) -> bool:
-    """Read `count` random chunks of a stamped shard (all when it has fewer) against the manifest."""
+def spot_check(path: str, shard: Shard, count: int, report: SpotCheck, rng: random.Random,
+               stamp: dict | None = None) -> bool:
+    """Read `count` random chunks of a stamped shard (all when it has fewer) against the manifest,
+    or, where the manifest has no chunk sha256, against those its first staging kept in its stamp."""
     if count <= 0:
         return True
+    if not shard.chunks:
+        shard = with_stamp_chunks(shard, stamp)
     if not shard.chunks:
         report.unchecked.append(shard.name)
         return True
@@ -231,10 +318,30 @@ def stamp_matches(dest: str, shard: Shard) -> bool:
             == shard.size and stamp.get("mtime_ns") == st.st_mtime_ns)
 
 
-def write_stamp(dest: str, shard: Shard, source: str) -> None:
+def with_stamp_chunks(shard: Shard, stamp: dict | None) -> Shard:
+    """The shard with the chunk sha256 its stamp holds (kept when it was staged), if they fit its size."""
+    if not stamp or not isinstance(stamp.get("chunks"), list):
+        return shard
+    try:
+        chunk_size, chunks = parse_chunks(shard.name, shard.size, stamp.get("chunk_size"), stamp["chunks"])
+    except StageError:
+        return shard
+    return Shard(shard.name, shard.size, shard.sha256, chunk_size, chunks)
+
+
+def fill_chunk_size(shard: Shard) -> int:
+    """The chunk size to hash a file in on its way in: 0 when the manifest has its chunks already."""
+    return 0 if shard.chunks else MANIFEST_CHUNK
+
+
+def write_stamp(dest: str, shard: Shard, source: str, chunks: list[str] | tuple[str, ...] = ()) -> None:
+    """Stamp a verified file; `chunks` (the sha256 of every MANIFEST_CHUNK bytes of those verified
+    bytes) are kept for the spot check where the manifest has none."""
     st = os.stat(os.path.join(dest, shard.name))
     stamp = {"name": shard.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": shard.sha256,
              "source": source}
+    if chunks and not shard.chunks:
+        stamp.update(chunk_size=MANIFEST_CHUNK, chunks=list(chunks))
     path = stamp_path(dest, shard.name)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as handle:
@@ -249,10 +356,11 @@ def write_stamp(dest: str, shard: Shard, source: str) -> None:
 class Source(Protocol):
     label: str
 
-    def fetch(self, shard: Shard, partial: str) -> str | None:
+    def fetch(self, shard: Shard, partial: str) -> StreamHash | None:
         """Make `partial` hold the shard's `size` bytes, resuming from its current length.
 
-        Returns the sha256 of the bytes when it was computed on the way in, else None.
+        Returns the hash of the bytes (with chunks of fill_chunk_size(shard)) when it was computed
+        on the way in, else None.
         """
 
 
@@ -275,9 +383,43 @@ class _SameOriginAuthRedirect(urllib.request.HTTPRedirectHandler):
         return new
 
 
-def hash_prefix(path: str, length: int) -> "hashlib._Hash":
-    """A sha256 object fed with the first `length` bytes of `path` (what a resumed download keeps)."""
-    digest = hashlib.sha256()
+class StreamHash:
+    """The sha256 of bytes as they arrive and, with chunk_size, of every chunk_size bytes."""
+
+    def __init__(self, chunk_size: int = 0) -> None:
+        self.whole = hashlib.sha256()
+        self.chunk_size = chunk_size
+        self.part = hashlib.sha256()
+        self.in_part = 0
+        self.chunks: list[str] = []
+
+    def update(self, data: bytes) -> None:
+        self.whole.update(data)
+        if not self.chunk_size:
+            return
+        view = memoryview(data)
+        while len(view):
+            take = min(len(view), self.chunk_size - self.in_part)
+            self.part.update(view[:take])
+            self.in_part += take
+            view = view[take:]
+            if self.in_part == self.chunk_size:
+                self.chunks.append(self.part.hexdigest())
+                self.part, self.in_part = hashlib.sha256(), 0
+
+    def hexdigest(self) -> str:
+        return self.whole.hexdigest()
+
+    def chunk_digests(self) -> list[str]:
+        """The chunks' sha256, the last one short (one chunk, the sha256 of nothing, for 0 bytes)."""
+        if not self.chunk_size:
+            return []
+        return self.chunks + ([self.part.hexdigest()] if self.in_part or not self.chunks else [])
+
+
+def hash_prefix(path: str, length: int, chunk_size: int = 0) -> StreamHash:
+    """A StreamHash fed with the first `length` bytes of `path` (what a resumed download keeps)."""
+    digest = StreamHash(chunk_size)
     if length:
         with open(path, "rb") as handle:
             while length and (chunk := handle.read(min(CHUNK, length))):
@@ -314,7 +456,7 @@ class HttpSource:
             headers["Range"] = f"bytes={offset}-"
         return urllib.request.Request(self.url(name), headers=headers)
 
-    def fetch(self, shard: Shard, partial: str) -> str | None:
+    def fetch(self, shard: Shard, partial: str) -> StreamHash | None:
         have = os.path.getsize(partial) if os.path.exists(partial) else 0
         if have > shard.size:
             _truncate(partial, 0)
@@ -340,7 +482,7 @@ class HttpSource:
                 have = 0  # the server ignored the range: start over
             else:
                 raise StageError(f"{self.url(shard.name)}: unexpected HTTP {response.status}")
-            digest = hash_prefix(partial, have)  # hashed on the way in: no second read of the shard
+            digest = hash_prefix(partial, have, fill_chunk_size(shard))  # on the way in: no second read
             with open(partial, "r+b" if os.path.exists(partial) else "wb") as out:
                 out.truncate(have)
                 out.seek(have)
@@ -352,13 +494,14 @@ class HttpSource:
                     digest.update(chunk)
         if have != shard.size:
             raise StageError(f"{self.url(shard.name)}: connection ended at byte {have} of {shard.size}")
-        return digest.hexdigest()
+        return digest
 
 
 def hub_source(endpoint: str, repo: str, revision: str, token: str, timeout: float = 60.0) -> HttpSource:
     """A model hub laid out as `<endpoint>/<repo>/resolve/<revision>/<file>`, with a bearer token."""
     if not re.match(r"^[\w.-]+/[\w.-]+$", repo or ""):
         raise StageError(f"hub repo {repo!r} is not of the form <owner>/<name>")
+    check_revision(revision, "hub revision")
     base = f"{endpoint.rstrip('/')}/{repo}/resolve/{urllib.parse.quote(revision, safe='')}"
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     return HttpSource(base, timeout=timeout, headers=headers, label=f"hub:{repo}@{revision}")
@@ -374,7 +517,7 @@ class PathSource:
     def __post_init__(self) -> None:
         self.label = self.label or f"path:{self.root}"
 
-    def fetch(self, shard: Shard, partial: str) -> str | None:
+    def fetch(self, shard: Shard, partial: str) -> StreamHash | None:
         src = os.path.join(self.root, shard.name)
         try:
             size = os.path.getsize(src)
@@ -385,7 +528,7 @@ class PathSource:
         have = os.path.getsize(partial) if os.path.exists(partial) else 0
         if have > size:
             have = 0
-        digest = hash_prefix(partial, have)
+        digest = hash_prefix(partial, have, fill_chunk_size(shard))
         with open(src, "rb") as inp, open(partial, "r+b" if os.path.exists(partial) else "wb") as out:
             out.truncate(have)
             inp.seek(have)
@@ -393,7 +536,7 @@ class PathSource:
             while chunk := inp.read(CHUNK):
                 out.write(chunk)
                 digest.update(chunk)
-        return digest.hexdigest()
+        return digest
 
 
 @dataclass
@@ -434,7 +577,7 @@ class PeerSource:
         return ["rsync", "--append", f"--timeout={self.timeout}", "-e", self.remote_shell(),
                 f"{self.user}@{self.host}:{remote}", partial]
 
-    def fetch(self, shard: Shard, partial: str) -> str | None:
+    def fetch(self, shard: Shard, partial: str) -> StreamHash | None:
         if os.path.exists(partial) and os.path.getsize(partial) > shard.size:
             _truncate(partial, 0)
         try:
@@ -454,7 +597,7 @@ def make_source(spec: dict, timeout: float = 60.0) -> Source:
         return HttpSource(spec.get("url") or "", timeout=timeout)
     if kind == "hub":
         return hub_source(spec.get("endpoint") or "https://huggingface.co", spec.get("repo") or "",
-                          spec.get("revision") or "main", spec.get("token") or "", timeout)
+                          spec.get("revision") or "", spec.get("token") or "", timeout)
     if kind == "path":
         if not spec.get("path"):
             raise StageError("path source has no path")
@@ -473,6 +616,7 @@ def make_source(spec: dict, timeout: float = 60.0) -> Source:
 class Plan:
     ready: list[Shard] = field(default_factory=list)        # stamped, nothing to do
     restamp: list[Shard] = field(default_factory=list)      # intact on disk, stamp missing or stale
+    restamp_chunks: dict[str, list[str]] = field(default_factory=dict)  # their chunks, where the manifest has none
     fetch: list[Shard] = field(default_factory=list)        # missing or corrupt: bytes must come
     corrupt: list[str] = field(default_factory=list)        # on disk but wrong: will be replaced
     remaining_bytes: int = 0
@@ -491,7 +635,7 @@ def make_plan(dest: str, shards: list[Shard], verify: str = "stamp", spot_chunks
         if os.path.exists(final):
             stamped = stamp_matches(dest, shard)
             if stamped and verify == "stamp":
-                if spot_check(final, shard, spot_chunks, plan.spot, rng):
+                if spot_check(final, shard, spot_chunks, plan.spot, rng, read_stamp(dest, shard.name)):
                     plan.ready.append(shard)
                     continue
                 plan.spot_failed.append(shard.name)
@@ -501,9 +645,18 @@ def make_plan(dest: str, shards: list[Shard], verify: str = "stamp", spot_chunks
                 plan.fetch.append(shard)
                 plan.remaining_bytes += shard.size - have if have <= shard.size else shard.size
                 continue
-            if os.path.getsize(final) == shard.size and sha256_file(final) == shard.sha256:
-                (plan.ready if stamped else plan.restamp).append(shard)
-                continue
+            if os.path.getsize(final) == shard.size:
+                if shard.chunks:
+                    digest, chunks = sha256_file(final), []
+                else:  # one read gives the chunk sha256 the stamp keeps for the spot check
+                    digest, chunks = hash_file(final, MANIFEST_CHUNK)
+                if digest == shard.sha256:
+                    if stamped and (shard.chunks or with_stamp_chunks(shard, read_stamp(dest, shard.name)).chunks):
+                        plan.ready.append(shard)
+                    else:
+                        plan.restamp.append(shard)
+                        plan.restamp_chunks[shard.name] = chunks
+                    continue
             plan.corrupt.append(shard.name)
         partial = final + ".partial"
         have = os.path.getsize(partial) if os.path.exists(partial) else 0
@@ -566,7 +719,11 @@ def fetch_shard(dest: str, shard: Shard, sources: list[Source], retries: int, lo
                 log(f"{shard.name}: {err}")
                 continue
             size = os.path.getsize(partial)
-            digest = (streamed or sha256_file(partial)) if size == shard.size else ""
+            digest, chunks = "", []
+            if size == shard.size and streamed is not None:
+                digest, chunks = streamed.hexdigest(), streamed.chunk_digests()
+            elif size == shard.size:  # rsync wrote the bytes: one read
+                digest, chunks = hash_file(partial, fill_chunk_size(shard))
             if digest != shard.sha256:
                 corrupt += 1
                 errors.append(f"{source.label} (attempt {attempt + 1}): got {size} bytes with sha256 "
@@ -579,7 +736,7 @@ def fetch_shard(dest: str, shard: Shard, sources: list[Source], retries: int, lo
             os.chmod(partial, 0o644)
             os.replace(partial, final)
             _fsync_dir(dest)
-            write_stamp(dest, shard, source.label)
+            write_stamp(dest, shard, source.label, chunks)
             log(f"{shard.name}: verified from {source.label}")
             return source.label, corrupt
     raise StageError(f"{shard.name}: no source delivered a verified copy: " + "; ".join(errors[-6:]))
@@ -628,7 +785,8 @@ def stage(dest: str, shards: list[Shard], sources: list[Source], *, verify: str 
     os.makedirs(dest, exist_ok=True)
     with locked(dest):
         for shard in plan.restamp:
-            write_stamp(dest, shard, (read_stamp(dest, shard.name) or {}).get("source", "on disk"))
+            write_stamp(dest, shard, (read_stamp(dest, shard.name) or {}).get("source", "on disk"),
+                        plan.restamp_chunks.get(shard.name, ()))
         for name in plan.corrupt:
             os.unlink(os.path.join(dest, name))
         discarded = 0

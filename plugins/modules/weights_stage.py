@@ -1,7 +1,7 @@
 #!/usr/bin/python
-"""Ansible module: stage a model's GGUF shards into a directory, verified against a manifest.
+"""Ansible module: stage a model's files (GGUF shards, safetensors snapshot) into a directory, verified against a manifest.
 
-The staging itself is the collection's module_utils gguf_stage (plugins/module_utils/gguf_stage.py),
+The staging itself is the collection's module_utils weights_stage (plugins/module_utils/weights_stage.py),
 which Ansible ships to the host with this module and which `mlafleet weights stage` runs on the
 controller.
 """
@@ -9,25 +9,37 @@ controller.
 from __future__ import annotations
 
 DOCUMENTATION = r"""
-module: gguf_weights_stage
-short_description: Stage GGUF shards verified against a sha256 manifest
+module: weights_stage
+short_description: Stage GGUF shards or a safetensors snapshot verified against a sha256 manifest
 description:
   - Fetches missing shards into C(.partial) files with resume, verifies their sha256, renames
     them atomically and stamps them so that re-runs cost one stat per shard.
   - Fails before the first byte when the filesystem lacks space for the remaining bytes, and
     fails at the end unless all N of N shards are present and verified.
   - The same code stages on the controller (C(mlafleet weights stage)).
+  - With O(format=safetensors) and O(state=verified), also checks the snapshot before it is served
+    (module_utils safetensors_check, headers only) - every tensor of C(model.safetensors.index.json)
+    in a listed file, each file's header holding exactly the tensors the index assigns to it, and
+    for a block-FP8 checkpoint every FP8 weight's C(<name>_scale_inv) of the shape its
+    C(weight_block_size) implies - and fails naming the file and tensor.
 version_added: 0.3.0
 author: mlafleet maintainers (@mlafleet)
 options:
   dest: {description: Directory that receives the shards., type: path, required: true}
   shards:
     description:
-      - The manifest's shards, each with C(name) (C(<model>-0000K-of-0000N.gguf)), C(size) and
-        C(sha256), optionally C(chunk_size) and C(chunks) (the sha256 of each chunk, for the spot check).
+      - The manifest's files, each with C(name) (C(<model>-0000K-of-0000N.gguf) for GGUF, a plain file
+        name for safetensors), C(size) and C(sha256), optionally C(chunk_size) and C(chunks) (the sha256
+        of each chunk, for the spot check; without them, the first staging keeps them in the stamp).
     type: list
     elements: dict
     required: true
+    aliases: [files]
+  format:
+    description: V(gguf) (shards 1..N of N of one model) or V(safetensors) (a snapshot directory's files).
+    type: str
+    choices: [gguf, safetensors]
+    default: gguf
   sources:
     description: Sources tried in order for each shard.
     type: list
@@ -45,7 +57,7 @@ options:
         type: str
       endpoint: {description: The hub's base URL (V(hub)); default https://huggingface.co., type: str}
       repo: {description: The hub repository (V(hub)) such as C(org/model-GGUF)., type: str}
-      revision: {description: The hub revision (V(hub)); default C(main)., type: str}
+      revision: {description: The hub commit (V(hub)), 40 hex digits; a branch or tag name is refused., type: str}
       token: {description: Bearer token for the hub (V(hub)); never shown in output., type: str}
       host: {description: Address of the peer (V(peer))., type: str}
       user: {description: SSH user on the peer (V(peer)); default C(root)., type: str}
@@ -80,13 +92,13 @@ attributes:
     support: full
     description: Plans what would be fetched (and how many bytes) without writing.
 notes:
-  - The role mlafleet.fleet.gguf_weights builds O(shards) from a manifest (C(mlafleet weights manifest))
+  - The role mlafleet.fleet.weights builds O(shards) from a manifest (C(mlafleet weights manifest))
     and O(sources) from its variables, with peer fan-out between hosts.
 """
 
 EXAMPLES = r"""
 - name: Stage a model's shards from a mirror
-  mlafleet.fleet.gguf_weights_stage:
+  mlafleet.fleet.weights_stage:
     dest: /var/lib/mlafleet/models/GLM-5-Q4_K_M
     shards: "{{ (lookup('ansible.builtin.file', 'GLM-5-Q4_K_M.manifest.json') | from_json).shards }}"
     sources:
@@ -94,7 +106,7 @@ EXAMPLES = r"""
         url: https://mirror.example.com/GLM-5-Q4_K_M/
 
 - name: Prove that all shards are present (reads nothing but stamps and a few chunks)
-  mlafleet.fleet.gguf_weights_stage:
+  mlafleet.fleet.weights_stage:
     dest: /var/lib/mlafleet/models/GLM-5-Q4_K_M
     shards: "{{ (lookup('ansible.builtin.file', 'GLM-5-Q4_K_M.manifest.json') | from_json).shards }}"
     state: verified
@@ -149,6 +161,12 @@ unstamped:
   type: list
   elements: str
   returned: O(state=verified)
+snapshot:
+  description: >-
+    O(format=safetensors), O(state=verified) - the checks before serving - safetensors_files, tensors,
+    fp8_weights, weight_block_size and a summary line.
+  type: dict
+  returned: O(format=safetensors) and O(state=verified)
 spot_check:
   description: >-
     What the spot check read (shards, chunks, bytes, seconds), the shards it could not check, those that failed
@@ -162,8 +180,9 @@ log:
   returned: O(state=staged)
 """
 
-from ansible_collections.mlafleet.fleet.plugins.module_utils.gguf_stage import (
-    StageError, make_source, parse_shards, prove_present, redact, stage)
+from ansible_collections.mlafleet.fleet.plugins.module_utils.safetensors_check import CheckError, check_snapshot
+from ansible_collections.mlafleet.fleet.plugins.module_utils.weights_stage import (
+    StageError, make_source, parse_files, parse_shards, prove_present, redact, stage)
 
 
 def main() -> None:
@@ -179,7 +198,8 @@ def main() -> None:
     module = AnsibleModule(
         argument_spec={
             "dest": {"type": "path", "required": True},
-            "shards": {"type": "list", "elements": "dict", "required": True},
+            "shards": {"type": "list", "elements": "dict", "required": True, "aliases": ["files"]},
+            "format": {"type": "str", "default": "gguf", "choices": ["gguf", "safetensors"]},
             "sources": {"type": "list", "elements": "dict", "default": [], "options": source_spec},
             "state": {"type": "str", "default": "staged", "choices": ["staged", "verified"]},
             "verify": {"type": "str", "default": "stamp", "choices": ["stamp", "full"]},
@@ -194,14 +214,18 @@ def main() -> None:
     secrets = [s.get("token") or "" for s in params["sources"]]
     messages: list[str] = []
     try:
-        shards = parse_shards(params["shards"])
+        snapshot = params["format"] == "safetensors"
+        shards = parse_files(params["shards"]) if snapshot else parse_shards(params["shards"])
         if params["state"] == "verified":
-            module.exit_json(**prove_present(params["dest"], shards, params["verify"], params["spot_chunks"]))
+            proof = prove_present(params["dest"], shards, params["verify"], params["spot_chunks"])
+            if snapshot:
+                proof["snapshot"] = check_snapshot(params["dest"], [s.name for s in shards])
+            module.exit_json(**proof)
         sources = [make_source(spec, params["timeout"]) for spec in params["sources"]]
         result = stage(params["dest"], shards, sources, verify=params["verify"], retries=params["retries"],
                        reserve=params["reserve_mb"] << 20, check_mode=module.check_mode, log=messages.append,
                        spot_chunks=params["spot_chunks"])
-    except StageError as err:
+    except (StageError, CheckError) as err:
         module.fail_json(msg=redact(str(err), secrets), log=[redact(m, secrets) for m in messages])
     module.exit_json(log=[redact(m, secrets) for m in messages], **result)
 
