@@ -439,7 +439,8 @@ def test_a_serving_group_is_one_row_read_from_each_members_probe(tmp_path):
         head = {**rows[0], "unit": "active", "health": head_health}
         return status.group_rows([single, head, worker])
 
-    serving = grouped(200, {**rows[1], "unit": "active"})
+    # each member's own configuration revision of one release: serving
+    serving = grouped(200, {**rows[1], "unit": "active", "server_release": "rel-b@cccccccccccc"})
     assert [r["host"] for r in serving] == ["h1", "pair"]
     assert serving[0] is single
     assert serving[1]["group_state"] == "serving" and serving[1]["head"] == "h2"

@@ -418,8 +418,11 @@ def group_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     names (an unreachable member). The group's row is its head's (release, patch, health: clients
     use the head) with `group`, `members` (each member's role, unit, the state its server was
     started from) and `group_state`: "serving" when the head answers /health and every member's
-    unit is active on one state; "degraded: ..." naming each member that is not (down, unreachable,
+    unit is active on one release; "degraded: ..." naming each member that is not (down, unreachable,
     another state); "down" when the head does not answer."""
+    def release(state: Any) -> str:
+        return str(state or "").split("@")[0]
+
     def name_of(row: dict[str, Any]) -> str:
         return str((row.get("server_group") or {}).get("name") or row.get("inventory_group") or "")
 
@@ -449,7 +452,8 @@ def group_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 problems.append(f"{m['host']} unreachable")
             elif m["unit"] != "active":
                 problems.append(f"{m['host']} ({m['role']}) {m['unit']}")
-            elif m["server_release"] != head.get("server_release"):
+            elif release(m["server_release"]) != release(head.get("server_release")):
+                # each member's configuration revision is its own (rank, address): the release is shared
                 problems.append(f"{m['host']} ({m['role']}) serves {m['server_release']}, "
                                 f"the head {head.get('server_release')}")
         if head.get("health") != 200:
