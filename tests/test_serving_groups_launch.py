@@ -206,7 +206,7 @@ def test_a_group_head_drains_within_its_stop_timeout_and_a_worker_keeps_its_own(
 def test_client_settings_name_the_group_and_single_hosts_keep_theirs(rendered):
     assert json.loads(rendered["pro-02"]["server.json"]) == {
         "host": "127.0.0.1", "port": 8000, "served_model_name": "model",
-        "group": {"name": "pro", "role": "worker", "rank": 1, "head": "pro-01"}}
+        "group": {"name": "pro", "role": "worker", "rank": 1, "head": "pro-01", "members": ["pro-01", "pro-02"]}}
 
 
 def test_ray_runs_a_worker_node_on_the_workers_and_the_head_serves_on_the_cluster(rendered):
