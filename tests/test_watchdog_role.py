@@ -64,7 +64,7 @@ def test_the_settings_file_is_what_the_program_reads(rendered: Path) -> None:
     assert settings == wd.Settings(
         base_url="http://127.0.0.1:8000", model="tiny-llama", api_key_file="/opt/mlafleet/current/server/vllm.env",
         window_s=180.0, interval_s=10.0, max_restarts=3, restart_period_s=3600.0,
-        restart_command=("systemctl", "restart", "vllm.service"), restart_timeout_s=600.0, recovery_timeout_s=600.0,
+        restart_command=("sh", "-c", "systemctl kill --signal=SIGKILL vllm.service; exec systemctl restart vllm.service"), restart_timeout_s=600.0, recovery_timeout_s=600.0,
         probe_interval_s=0.0, probe_timeout_s=180.0, state_file="/var/lib/mlafleet-vllm-watchdog/state.json",
         textfile="/var/lib/prometheus/node-exporter/mlafleet_vllm_watchdog.prom", hold_file="/opt/mlafleet/.lock",
         release_link="/opt/mlafleet/current")
