@@ -12,11 +12,8 @@ VLLM_VENV := .lab/vllm-venv
 VLLM_VENV_032 := .lab/vllm-venv-0.32.0
 PATCHSET_VERSIONS := 0.20.2 0.32.0
 HOSTS ?= 2
-# `lines`: both release lines on two lab hosts (molecule/lines; about 20 minutes).
-# `groups` (not in the default list): a serving group of two lab hosts beside a single host, through
-# both lines, a member killed mid-rollout, a rollback (molecule/groups; about 25 minutes; issue 40:
-# steps 1-5b passed on the lab, the rest and its place in CI's time are open). Run it with
-# `make molecule SCENARIOS=groups`.
+# `lines`: both release lines and a serving group (two lab hosts, one vLLM server) beside a single
+# host, a member killed mid-rollout, a rollback (molecule/lines; about 20 minutes).
 SCENARIOS ?= default weights patch gpu-stack rollout lines
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
@@ -144,7 +141,7 @@ pytest: setup test-prereqs vllm-venv patchset
 	TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR) $(PHASE) "kernel tests, Triton 3.7.1" $(VLLM_VENV_032)/bin/python -m pytest -q -p no:cacheprovider \
 	  $(KERNELS_032)
 
-molecule: setup test-prereqs patchset lab-images lab-release-image $(if $(filter lines groups,$(SCENARIOS)),lab-lines-image)
+molecule: setup test-prereqs patchset lab-images lab-release-image $(if $(filter lines,$(SCENARIOS)),lab-lines-image)
 	$(BIN)/mlafleet lab key >/dev/null
 	$(BIN)/mlafleet lab model >/dev/null
 	for s in $(SCENARIOS); do $(PHASE) "molecule $$s" $(BIN)/molecule test -s $$s; done
