@@ -113,6 +113,35 @@ def test_opens_in_chromium_without_errors(run_dir, tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 50_000  # a drawn page, not a blank one
 
 
+def test_a_serving_groups_members_are_drawn_together_under_its_name(run_dir, tmp_path):
+    # The recorded run's hosts 2 and 3 made one serving group, as the plan (playbooks/plan.yml)
+    # records it in timeline.json; a third, single host sorts between them by name.
+    timeline = json.loads((run_dir / "timeline.json").read_text())
+    assert "groups" not in timeline  # recorded before groups: drawn as single hosts
+    plain = str(report.timeline_svg(report.load(run_dir)))
+    assert 'class="group"' not in plain
+    timeline["groups"] = {"fleet": [H2, H3]}
+    timeline["hosts"]["a-single-host-in-between"] = timeline["hosts"][H2][:1]
+    timeline["hosts"]["mlafleet-molecule-rollout-2b"] = timeline["hosts"][H2][:1]
+    (run_dir / "timeline.json").write_text(json.dumps(timeline))
+    data = report.load(run_dir)
+    svg = str(report.timeline_svg(data))
+    # one frame for the group, named, listing its members; the members' rows are adjacent
+    assert svg.count('data-group="fleet"') == 1 and ">group fleet</text>" in svg
+    assert f"serving group fleet: {H2}, {H3}" in svg
+    rows = re.findall(r'class="host">([^<]+)</text>', svg)
+    assert abs(rows.index(H2) - rows.index(H3)) == 1, rows
+    frame = re.search(r'<rect x="1" y="([0-9.]+)" width="[0-9.]+" height="([0-9.]+)"[^>]*data-group="fleet"', svg)
+    assert float(frame.group(2)) > 26  # spans both rows
+    # the hosts table names each member's group; the single host has none
+    html = report.render(run_dir).read_text()
+    assert re.search(rf'<tr id="row-{H3}">\s*<td><a [^>]+>{H3}</a> <span class="muted">\(group fleet\)</span>', html)
+    assert not re.search(r'<tr id="row-a-single-host-in-between">\s*<td><a [^>]+>[^<]+</a> <span', html)
+    dom = chromium(tmp_path, run_dir / "index.html", "--dump-dom")
+    assert dom.returncode == 0 and console_errors(dom.stderr) == [], dom.stderr[-2000:]
+    assert 'data-group="fleet"' in dom.stdout
+
+
 def test_the_console_check_catches_a_broken_page(tmp_path):
     # The same check on a page that breaks the rules: it must see the blocked load and script.
     page = tmp_path / "bad.html"

@@ -314,6 +314,8 @@ def test_a_canary_group_goes_first_whole_and_the_serial_counts_units():
     # the group's hosts are consecutive, in the play's order, and its batch holds all three
     assert plan["hosts"] == ["spark-1", "spark-2", "spark-3", "solo-1", "solo-2", "solo-3"]
     assert plan["serial"] == [3, 2, 1]
+    # the report's timeline draws each group's members together
+    assert plan["groups"] == {"sparks": ["spark-1", "spark-2", "spark-3"]}
 
 
 def test_a_group_never_splits_across_batches_whatever_the_serial():

@@ -71,6 +71,7 @@ class CallbackModule(CallbackBase):
         self.plays: list[dict] = []
         self.batches: dict[str, int] = {}
         self.hosts: dict[str, list[dict]] = {}
+        self.groups: dict[str, list[str]] = {}
         self.task_start: dict[tuple[str, str], float] = {}
         self.saved = 0.0
 
@@ -102,6 +103,10 @@ class CallbackModule(CallbackBase):
         facts = (result._result or {}).get("ansible_facts") or {}
         self.run_id = self.run_id or facts.get("mlafleet_run_id")
         self.release_id = facts.get("mlafleet_release_id") or self.release_id
+        # playbooks/plan.yml: each serving group's members (the timeline draws them together)
+        plan = facts.get("mlafleet_rollout_plan") or facts.get("mlafleet_rollback_plan")
+        if isinstance(plan, dict) and isinstance(plan.get("groups"), dict):
+            self.groups = plan["groups"]
         if host == "localhost" or not self.plays or task.action in ("include_role", "include_tasks",
                                                                        "ansible.builtin.include_role",
                                                                        "ansible.builtin.include_tasks"):
@@ -159,7 +164,7 @@ class CallbackModule(CallbackBase):
         timeline = {
             "run": self.run_id, "release": self.release_id, "playbook": self.playbook,
             "started": self.started, "ended": time.time() if stats is not None else None, "plays": self.plays,
-            "hosts": self.hosts,
+            "hosts": self.hosts, "groups": self.groups,
             "stats": ({h: stats.summarize(h) for h in sorted(stats.processed) if h != "localhost"}
                       if stats is not None else {}),
         }

@@ -10,7 +10,8 @@ Input: the play's hosts in order, each host's serving group name ({host: mlaflee
 "" or absent for a single host; preflight refuses a play that cuts a group) and the serial value.
 Output: {hosts: the play's hosts reordered so each batch's hosts are consecutive, serial: the
 number of hosts of each batch (a list for the play's `serial`), batches: [[unit, ...], ...] with a
-unit named by its group or host}.
+unit named by its group or host, groups: {group: [its hosts in the play's order]} (the report's
+timeline draws a group's members together)}.
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ def rollout_batches(play_hosts: list[str], host_groups: dict[str, Any] | None, s
         "hosts": [h for batch in batches for _, members in batch for h in members],
         "serial": [sum(len(members) for _, members in batch) for batch in batches],
         "batches": [[name for name, _ in batch] for batch in batches],
+        "groups": dict(seen),
     }
 
 

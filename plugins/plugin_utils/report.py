@@ -61,6 +61,7 @@ def load(run_dir: Path) -> dict[str, Any]:
     plays = timeline.get("plays", [])
     start = timeline.get("started") or min((s["start"] for segs in timeline.get("hosts", {}).values()
                                              for s in segs), default=0)
+    group_of = {m: g for g, members in (timeline.get("groups") or {}).items() for m in members}
     hosts = []
     for name in sorted(names):
         segments = [dict(s) for s in timeline.get("hosts", {}).get(name, [])]
@@ -74,7 +75,7 @@ def load(run_dir: Path) -> dict[str, Any]:
         batch = _batch(name, plays)
         hosts.append({
             "host": name, "status": status, "cause": cause, "report": report, "perf": perf.get(name),
-            "segments": segments, "batch": batch,
+            "segments": segments, "batch": batch, "group": group_of.get(name) or report.get("serving_group"),
             "release": report.get("rolled_back_to") or (report.get("release") if report.get("ok") else None),
             "rolled_back_to": report.get("rolled_back_to"),
             "changed": (run_hosts.get(name) or {}).get("changed", []),
@@ -175,8 +176,14 @@ def _num(value: float | None, digits: int = 3) -> str:
 
 
 def timeline_svg(data: dict[str, Any], width: int = 1100) -> Markup:
-    """Gantt chart: one row per host (grouped by batch), one bar per role run, plays as bands."""
-    hosts = sorted(data["hosts"], key=lambda h: (h["batch"], h["host"]))
+    """Gantt chart: one row per host (grouped by batch), one bar per role run, plays as bands; a
+    serving group's members sit together under a frame named by the group."""
+    first_batch: dict[str, int] = {}  # a group sits at its first batch (a group is whole in one batch)
+    for h in data["hosts"]:
+        if h.get("group"):
+            first_batch[h["group"]] = min(first_batch.get(h["group"], h["batch"]), h["batch"])
+    hosts = sorted(data["hosts"], key=lambda h: (first_batch.get(h.get("group"), h["batch"]),
+                                                 h.get("group") or h["host"], h["host"]))
     label_w, row_h, top = 230, 26, 34
     plot_w = width - label_w - 10
     height = top + row_h * len(hosts) + 28
@@ -195,9 +202,25 @@ def timeline_svg(data: dict[str, Any], width: int = 1100) -> Markup:
         if x1 - x0 > 70:
             text = play["name"] if play["batch"] == 1 else f"{play['name']} #{play['batch']}"
             out.append(f'<text x="{x0 + 3:.1f}" y="{top - 12}" class="play">{escape(text[:int((x1 - x0) / 6)])}</text>')
+    row = 0
+    while row < len(hosts):  # a serving group's rows: one frame, the group's name, its members indented
+        group = hosts[row].get("group")
+        size = 1
+        while group and row + size < len(hosts) and hosts[row + size].get("group") == group:
+            size += 1
+        if group:
+            y = top + row * row_h
+            members = ", ".join(h["host"] for h in hosts[row:row + size])
+            out.append(f'<rect x="1" y="{y + 1}" width="{width - 2}" height="{row_h * size - 2}" fill="none" '
+                       f'class="group" data-group="{escape(group)}" stroke="#5c6bc0" stroke-dasharray="4 2">'
+                       f'<title>{escape(f"serving group {group}: {members}")}</title></rect>'
+                       f'<text x="4" y="{y + 11}" class="group">group {escape(group)}</text>')
+        row += size
     for row, host in enumerate(hosts):
         y = top + row * row_h
-        out.append(f'<text x="4" y="{y + row_h * 0.62:.1f}" class="host">{escape(host["host"])}</text>')
+        indent = 16 if host.get("group") else 4
+        out.append(f'<text x="{indent}" y="{y + row_h * 0.62 + (4 if host.get("group") else 0):.1f}" '
+                   f'class="host">{escape(host["host"])}</text>')
         for s in host["segments"]:
             x = label_w + s["t0"] * scale
             w = max((s["t1"] - s["t0"]) * scale, 1.5)
