@@ -205,6 +205,43 @@ def test_an_unreachable_server_resets_the_baseline():
         assert drv.tick(sample(gen=1)).action == "none"
 
 
+def test_a_server_that_stops_answering_is_recorded_down_once_and_up_when_it_answers_again():
+    drv = Driver()
+    for _ in range(3):
+        drv.tick(None)  # starting: never answered yet, nothing to record
+    assert drv.events == []
+    drv.tick(sample(running=0, gen=5))
+    for _ in range(4):  # it served, then stopped answering: one "down", not one a tick
+        drv.tick(None)
+    assert drv.names() == [("down", None)] and drv.events[0]["held"] is False and "group" not in drv.events[0]
+    drv.tick(sample(running=0, gen=0))  # back (restarted by someone): "up", after 40 s
+    assert drv.names()[-1] == ("up", None) and drv.events[-1]["after_s"] == 40
+    assert drv.actions == [] and drv.state.down_since is None
+
+
+def test_a_serving_groups_head_is_never_restarted_alone_and_names_the_groups_restart(capsys):
+    """A head restarted alone hangs (its workers cannot join a new head): a stall on a group's head
+    is recorded with the command that restarts the group as a whole; a head that died (its worker
+    died: the head exits at the next request) is recorded down with the same command."""
+    cfg = replace(CFG, group="fleet", journal_socket="")
+    drv = Driver(cfg)
+    drv.tick(sample(gen=100))
+    frozen = sample(gen=120)
+    for _ in range(20):  # 200 s still with a request running: three windows
+        drv.tick(frozen)
+    assert drv.actions == []
+    assert drv.names() == [("stall", "group")]
+    event = drv.events[0]
+    assert event["group"] == "fleet" and "mlafleet rollout -l fleet -e vllm_server_force_restart=true" in event["why"]
+    drv.tick(None)
+    assert drv.names()[-1] == ("down", None)
+    assert drv.events[-1]["hint"] == "a serving group restarts whole: mlafleet rollout -l fleet -e vllm_server_force_restart=true"
+    wd.journal(cfg, drv.events[-1])
+    wd.journal(cfg, {**drv.events[-1], "held": True})  # a rollout's own stop: a notice, not critical
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("<2>server stopped answering") and out[1].startswith("<5>server stopped answering")
+
+
 def test_counters_that_go_back_are_a_new_server_not_a_stall():
     drv = Driver()
     for _ in range(5):
@@ -247,6 +284,8 @@ def test_invariants_over_every_combination(state_name, sample_name, elapsed, hel
                               and s.values() == state.last.values() and elapsed >= cfg.window_s)
         stalled_by_probe = probe is not None and probe.startswith("stalled") and probe_interval > 0
         assert stalled_by_metrics or stalled_by_probe
+    # a serving group's head is never restarted alone, whatever else holds
+    assert wd.decide(state, obs, replace(cfg, group="g")).action != "restart"
     # a probe is asked for only when none was answered this tick
     if d.action == "probe":
         assert probe is None and s is not None

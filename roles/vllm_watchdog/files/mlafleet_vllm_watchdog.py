@@ -95,6 +95,7 @@ class Settings:
     hold_file: str = ""  # while it exists, stalls are recorded, not acted on ("" for none)
     release_link: str = ""  # exit (systemd restarts us) when this symlink's target changes
     journal_socket: str = "/run/systemd/journal/socket"
+    group: str = ""  # the serving group this server heads ("" for a single host): never restarted alone
 
     @classmethod
     def load(cls, path: str) -> Settings:
@@ -185,6 +186,8 @@ class State:
     stalled: str | None = None  # inside a stall episode: the action taken ("held", "refused")
     recovering_since: float | None = None  # mono time of a restart whose recovery is awaited
     recovering_wall: float | None = None
+    down_since: float | None = None  # mono time a server that answered stopped answering
+
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,11 @@ def recent_restarts(restarts: tuple[float, ...], wall: float, period: float) -> 
     return tuple(t for t in restarts if wall - t < period)
 
 
+def group_restart(cfg: Settings) -> str:
+    """How an operator restarts a serving group as a whole (docs/multi-host.md)."""
+    return f"mlafleet rollout -l {cfg.group} -e vllm_server_force_restart=true"
+
+
 def _stall(state: State, obs: Observation, cfg: Settings, reason: str) -> Decision:
     """A stall seen now: restart within the bound, or record why not (once per episode)."""
     sample = obs.sample
@@ -217,6 +225,12 @@ def _stall(state: State, obs: Observation, cfg: Settings, reason: str) -> Decisi
     if obs.held:
         action = "held"
         facts["why"] = "a rollout holds this host (hold_file exists): not restarting"
+    elif cfg.group:
+        # A head restarted alone hangs: its workers cannot join a new head (docs/multi-host.md).
+        action = "group"
+        facts["group"] = cfg.group
+        facts["why"] = (f"this server heads serving group {cfg.group}, which restarts only as a whole: "
+                        f"not restarting the head alone; restart the group: {group_restart(cfg)}")
     elif len(restarts) >= cfg.max_restarts:
         action = "refused"
         facts["why"] = (f"{len(restarts)} restarts in the last {cfg.restart_period_s:.0f} s, the most allowed: "
@@ -256,14 +270,23 @@ def decide(state: State, obs: Observation, cfg: Settings) -> Decision:
 
     sample = obs.sample
     if sample is None:  # the server does not answer: down or starting, not a stall
-        return Decision(replace(state, last=None, progress_at=None))
-
+        down = replace(state, last=None, progress_at=None)
+        if state.last is None or state.down_since is not None:  # starting, or already recorded
+            return Decision(down)
+        # It answered, now it does not: stopped, or died (a group's head exits after its worker died).
+        event: dict[str, Any] = {"event": "down", "why": "the server stopped answering /metrics", "held": obs.held}
+        if cfg.group:
+            event.update(group=cfg.group, hint=f"a serving group restarts whole: {group_restart(cfg)}")
+        return Decision(replace(down, down_since=obs.mono), events=(event,))
     events: tuple[dict[str, Any], ...] = ()
+    if state.down_since is not None:  # answering again (restarted)
+        events = ({"event": "up", "after_s": round(obs.mono - state.down_since, 1)},)
+        state = replace(state, down_since=None)
     moved = state.last is None or progressed(state.last, sample)
     if moved:
         progress_at = obs.mono
         if state.stalled is not None:
-            events = ({"event": "resumed", "after": state.stalled,
+            events += ({"event": "resumed", "after": state.stalled,
                        "why": "the engine moved again without a restart by the watchdog"},)
         state = replace(state, last=sample, progress_at=progress_at, stalled=None)
     else:
@@ -338,7 +361,7 @@ def probe(cfg: Settings) -> str:
 
 
 PRIORITY = {"stall": 2, "not_recovered": 2, "probe_error": 3, "restart": 4, "recovered": 5, "resumed": 5,
-            "started": 6, "metrics": 4}
+            "started": 6, "metrics": 4, "down": 2, "up": 5}
 
 
 def message(event: dict[str, Any]) -> str:
@@ -346,12 +369,14 @@ def message(event: dict[str, Any]) -> str:
     if name == "stall":
         head = {"restart": "engine stall: restarting the server",
                 "refused": "engine stall: NOT restarting, the restart limit is reached",
-                "held": "engine stall: NOT restarting, a rollout holds this host"}[event["action"]]
+                "held": "engine stall: NOT restarting, a rollout holds this host",
+                "group": "engine stall: NOT restarting the head of a serving group alone"}[event["action"]]
     else:
         head = {"recovered": "server recovered after the restart", "not_recovered": "server did NOT recover",
                 "restart": "restart command finished", "resumed": "engine moved again",
                 "probe_error": "probe refused", "started": "watchdog started",
-                "metrics": "metrics problem"}.get(name, name)
+                "metrics": "metrics problem", "down": "server stopped answering",
+                "up": "server answers again"}.get(name, name)
     details = {k: v for k, v in event.items() if k not in ("event", "time")}
     return f"{head} {json.dumps(details, sort_keys=True)}"
 
@@ -362,6 +387,9 @@ def journal(cfg: Settings, event: dict[str, Any]) -> None:
     text = message(event)
     # a stall left alone because the restart limit is reached is the loudest: alert (1)
     priority = 1 if event.get("action") == "refused" else PRIORITY.get(event["event"], 5)
+    if event["event"] == "down" and event.get("held"):
+        priority = 5  # a rollout holds the host: its own stop
+
     if cfg.journal_socket and os.path.exists(cfg.journal_socket):
         fields = {"MESSAGE": text, "PRIORITY": str(priority), "SYSLOG_IDENTIFIER": "mlafleet-vllm-watchdog",
                   "MLAFLEET_EVENT": event["event"], "MLAFLEET_EVENT_JSON": json.dumps(event, sort_keys=True)}
