@@ -1,8 +1,10 @@
 #!/usr/bin/python3
-"""Fault injection for the engine-stall watchdog on a lab host (molecule/default/tasks/watchdog.yml).
+"""Fault injection for the engine-stall watchdog on a lab host (molecule/default/tasks/watchdog.yml)
+and for the restart after engine death (tasks/drain.yml).
 
     watchdog-fault.py stall   --base URL --env FILE [--requests N] [--max-tokens M]
     watchdog-fault.py resume
+    watchdog-fault.py kill
     watchdog-fault.py prefill --base URL --env FILE --longer-than SECONDS
 
 stall: starts N long completions in a detached process, waits until vLLM's /metrics reports
@@ -10,6 +12,7 @@ requests running, then SIGSTOPs vllm.service's engine-core process (VLLM::Engine
 server stays up. Prints JSON: the stopped pid, when (epoch seconds), /health's status and the
 running requests and generated tokens /metrics shows a moment later.
 resume: SIGCONTs every stopped engine-core process of vllm.service (--unit).
+kill: SIGKILLs vllm.service's engine-core process (the API server stays, then exits by itself).
 prefill: sends one burst of 1000-token prompts with max_tokens 1, sized so that the last request
 waits longer than --longer-than seconds for its first (only) token: a prefill-heavy load whose
 requests take longer than the watchdog's window. Prints JSON: the burst size and latencies.
@@ -136,6 +139,15 @@ def resume(args: argparse.Namespace) -> dict:
     return {"resumed": pids}
 
 
+def kill(args: argparse.Namespace) -> dict:
+    pids = engine_cores(args.unit)
+    if not pids:
+        raise SystemExit(f"no {TITLE} process in {args.unit}")
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return {"killed": pids}
+
+
 def prefill(args: argparse.Namespace) -> dict:
     key = api_key(args.env)
     _, models = request(args.base, "/v1/models", key=key, timeout=30)
@@ -171,7 +183,7 @@ def prefill(args: argparse.Namespace) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("command", choices=["stall", "resume", "prefill", "load"])
+    parser.add_argument("command", choices=["stall", "resume", "kill", "prefill", "load"])
     parser.add_argument("--base", default="http://127.0.0.1:8000")
     parser.add_argument("--unit", default=UNIT, help="the server's systemd unit (its cgroup names it)")
     parser.add_argument("--env", default="/opt/mlafleet/current/server/vllm.env")
@@ -182,7 +194,7 @@ def main() -> int:
     if args.command == "load":
         load(args.base, api_key(args.env), args.requests, args.max_tokens)
         return 0
-    print(json.dumps({"stall": stall, "resume": resume, "prefill": prefill}[args.command](args)))
+    print(json.dumps({"stall": stall, "resume": resume, "kill": kill, "prefill": prefill}[args.command](args)))
     return 0
 
 
