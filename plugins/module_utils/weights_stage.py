@@ -92,21 +92,14 @@ def parse_shards(entries: list[dict]) -> list[Shard]:
     counts: set[int] = set()
     numbers: list[int] = []
     for entry in entries:
-        name = entry.get("name") if isinstance(entry, dict) else None
-        if not isinstance(name, str) or not SHARD_RE.match(name) or ".." in name:
-            raise StageError(f"manifest shard name {name!r} is not of the form <model>-0000K-of-0000N.gguf "
-                             "(letters, digits, '.', '_', '-'; no separators, no '..')")
-        size, sha = entry.get("size"), str(entry.get("sha256", "")).lower()
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise StageError(f"manifest shard {name}: size {size!r} is not a non-negative integer")
-        if not SHA256_RE.match(sha):
-            raise StageError(f"manifest shard {name}: sha256 {entry.get('sha256')!r} is not 64 hex digits")
-        chunk_size, chunks = parse_chunks(name, size, entry.get("chunk_size"), entry.get("chunks"))
-        match = SHARD_RE.match(name)
+        shard = _parse_entry(entry, lambda n: bool(SHARD_RE.match(n)), "shard",
+                             "is not of the form <model>-0000K-of-0000N.gguf (letters, digits, '.', '_', '-'; "
+                             "no separators, no '..')")
+        match = SHARD_RE.match(shard.name)
         models.add(match["model"])
         counts.add(int(match["count"]))
         numbers.append(int(match["no"]))
-        shards.append(Shard(name, size, sha, chunk_size, chunks))
+        shards.append(shard)
     if len(models) != 1 or len(counts) != 1:
         raise StageError(f"manifest mixes models or shard counts: {sorted(s.name for s in shards)}")
     count = counts.pop()
@@ -138,11 +131,13 @@ def parse_chunks(name: str, size: int, chunk_size: object, chunks: object) -> tu
     return chunk_size, digests
 
 
-def _parse_entry(entry: object, name_ok: Callable[[str], bool], what: str) -> Shard:
+def _parse_entry(entry: object, name_ok: Callable[[str], bool], what: str,
+                 rule: str = "is not a plain file name (letters, digits, '.', '_', '-', starting with a letter "
+                             "or digit; no separators, no '..', no .partial)") -> Shard:
+    """One manifest entry (a GGUF shard or a snapshot's file): its name, size, sha256 and chunks."""
     name = entry.get("name") if isinstance(entry, dict) else None
     if not isinstance(name, str) or not name_ok(name) or ".." in name or name.endswith(".partial"):
-        raise StageError(f"manifest {what} name {name!r} is not a plain file name (letters, digits, '.', '_', '-', "
-                         "starting with a letter or digit; no separators, no '..', no .partial)")
+        raise StageError(f"manifest {what} name {name!r} {rule}")
     size, sha = entry.get("size"), str(entry.get("sha256", "")).lower()
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise StageError(f"manifest {what} {name}: size {size!r} is not a non-negative integer")
