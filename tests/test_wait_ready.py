@@ -56,3 +56,28 @@ def test_pydantic_details_follow_the_exception_line():
 
 def test_no_exception_no_cause():
     assert first_error()(["(APIServer pid=1) INFO started", "Killed"]) is None
+
+
+def script(monkeypatch, unit_state: str):
+    source = jinja2.Template(TEMPLATE.read_text()).render(
+        ansible_managed="test", vllm_server_host="127.0.0.1", vllm_server_port=8000)
+    namespace: dict = {"__name__": "wait_ready"}
+    exec(compile(source, str(TEMPLATE), "exec"), namespace)  # noqa: S102 - our own template
+    namespace["state"] = lambda: {"ActiveState": unit_state, "SubState": "running", "NRestarts": "0"}
+    namespace["journal"] = lambda *args: ""
+    return namespace["main"]
+
+
+def test_a_round_ends_quietly_with_75_while_the_unit_runs_and_1_when_it_died(monkeypatch, capsys):
+    """A serving group's head waits in rounds (roles/vllm_server/tasks/wait-group.yml): 75 means
+    "not yet, its unit still runs", so the members' units are read between rounds; a dead unit is 1."""
+    closed = "--url=http://127.0.0.1:9/health"  # nothing answers
+    monkeypatch.setattr("sys.argv", ["wait-ready", "--round", "--timeout=1", closed])
+    assert script(monkeypatch, "activating")() == 75
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr("sys.argv", ["wait-ready", "--timeout=1", closed])
+    assert script(monkeypatch, "activating")() == 1
+    assert "not ready after 1s" in capsys.readouterr().err
+    monkeypatch.setattr("sys.argv", ["wait-ready", "--round", "--timeout=30", closed])
+    assert script(monkeypatch, "failed")() == 1
+    assert "died while starting" in capsys.readouterr().err
