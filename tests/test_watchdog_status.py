@@ -90,6 +90,24 @@ def test_a_group_shows_its_latest_stall_and_names_the_member(tmp_path):
     assert watchdog_status.column(other, NOW) == "1h ago: held: a rollout holds the host, resumed by itself (0/3 restarts in the period)"
 
 
+def test_a_head_whose_server_stopped_answering_shows_down_until_it_answers_again(tmp_path):
+    (tmp_path / "a").mkdir()
+    events = [{"event": "stall", "action": "group", "group": "fleet", "time": NOW - 600},
+              {"event": "down", "held": False, "group": "fleet", "time": NOW - 120}]
+    head = {**remote(state_file(tmp_path / "a", events)), "host": "head"}
+    assert watchdog_status.column(head, NOW) == (
+        "DOWN 2m ago; 10m ago: NOT restarted: a serving group restarts whole (0/3 restarts in the period)")
+    worker = {"host": "worker", **remote(None)}
+    assert watchdog_status.group_column([worker, head], NOW).startswith("head: DOWN 2m ago; ")
+    # back up, or a rollout's own stop (held): no longer down
+    (tmp_path / "b").mkdir()
+    up = {**remote(state_file(tmp_path / "b", events + [{"event": "up", "after_s": 60, "time": NOW - 60}])), "host": "head"}
+    assert not watchdog_status.column(up, NOW).startswith("DOWN")
+    (tmp_path / "c").mkdir()
+    held = {**remote(state_file(tmp_path / "c", [{"event": "down", "held": True, "time": NOW - 60}])), "host": "head"}
+    assert watchdog_status.column(held, NOW) == "none"
+
+
 def test_an_unreadable_state_file_is_said(tmp_path):
     bad = tmp_path / "state.json"
     bad.write_text("{not json")

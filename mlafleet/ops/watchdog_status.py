@@ -66,19 +66,28 @@ def _age(seconds: float) -> str:
 
 
 def column(row: dict[str, Any], now: float | None = None) -> str:
-    """e.g. "none", "2h ago: restarted, recovered in 95.0 s (1/3 in 1h)", "5m ago: REFUSED (3/3 in 1h)"."""
+    """e.g. "none", "2h ago: restarted, recovered in 95.0 s (1/3 in 1h)", "5m ago: REFUSED (3/3 in 1h)";
+    led by "DOWN 3m ago" while the server it watches stopped answering and has not come back."""
     wd = row.get("watchdog")
     if isinstance(wd, dict) and "error" in wd:
         return wd["error"]
     summary = last_stall(row)
     if summary is None:
         return "no watchdog"
+    down = down_since(row)
+    if down is not None:
+        return f"DOWN {_age((time.time() if now is None else now) - down)} ago; " + _stall_text(summary, now)
+    return _stall_text(summary, now)
+
+
+def _stall_text(summary: dict[str, Any], now: float | None) -> str:
     bound = f"{summary['restarts_in_period']}/{summary['max_restarts']} restarts in the period"
     if summary["time"] is None:
         return "none" + (f" ({bound})" if summary["restarts_in_period"] else "")
     now = time.time() if now is None else now
     action = {"restart": "restarted", "refused": "NOT restarted: restart limit reached",
-              "held": "held: a rollout holds the host"}.get(summary["action"], str(summary["action"]))
+              "held": "held: a rollout holds the host",
+              "group": "NOT restarted: a serving group restarts whole"}.get(summary["action"], str(summary["action"]))
     text = f"{_age(now - summary['time'])} ago: {action}"
     if summary["recovered"]:
         text += f", {summary['recovered']}"
@@ -87,8 +96,21 @@ def column(row: dict[str, Any], now: float | None = None) -> str:
     return f"{text} ({bound})"
 
 
+def down_since(row: dict[str, Any]) -> float | None:
+    """When the watchdog last saw the server stop answering, if it has not answered since."""
+    wd = row.get("watchdog")
+    last = (wd.get("last") or {}) if isinstance(wd, dict) else {}
+    down, up = last.get("down"), last.get("up")
+    if down and not down.get("held") and (not up or up.get("time", 0) < down.get("time", 0)):
+        return down.get("time")
+    return None
+
+
 def group_column(rows: list[dict[str, Any]], now: float | None = None) -> str:
-    """A serving group's cell: the member whose stall is the latest, named."""
+    """A serving group's cell: a member whose server is down, else the one whose stall is the latest, named."""
+    down = [r for r in rows if down_since(r) is not None]
+    if down:
+        return f"{down[0].get('host', '?')}: {column(down[0], now)}"
     stalled = [(s["time"], r) for r in rows if (s := last_stall(r)) and s["time"] is not None]
     if stalled:
         _, row = max(stalled, key=lambda item: item[0])
