@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +18,7 @@ import pytest
 from safetensors import safe_open
 from safetensors_support import COMMIT, stand_in_hub, write_safetensors, write_snapshot
 from test_weights_role import run_role
-from weights_support import TOKEN, mirror
+from weights_support import TOKEN, mirror, stage_killed_once
 
 from ansible_collections.mlafleet.fleet.plugins.module_utils import safetensors_check as check
 from ansible_collections.mlafleet.fleet.plugins.module_utils import weights_stage as host
@@ -168,17 +166,7 @@ def test_a_download_killed_half_way_resumes_and_a_flipped_byte_is_fetched_again(
     first = dest / "model-00001-of-00002.safetensors.partial"
     size = (origin / "model-00001-of-00002.safetensors").stat().st_size
     with mirror(origin, rate=800_000) as server:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "mlafleet.weights", "weights", "stage", "--manifest", str(tmp_path / "m.json"),
-             "--dest", str(dest), "--from-url", server.url, "--reserve-mb", "0"],
-            cwd=REPO, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "collections")])},
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while not (first.exists() and first.stat().st_size > 300_000) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-        kept = first.stat().st_size
+        kept = stage_killed_once(tmp_path / "m.json", dest, server.url, first, 300_000)
         assert 300_000 < kept < size and not (dest / "model-00001-of-00002.safetensors").exists()
         server.rate = 0
         files = host.check_manifest(manifest)

@@ -11,15 +11,13 @@ import hashlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
-from weights_support import TOKEN, HubHandler, hub, mirror, serving, write_model
+from weights_support import TOKEN, HubHandler, hub, mirror, serving, stage_killed_once, write_model
 
 from ansible_collections.mlafleet.fleet.plugins.module_utils import digest
 from ansible_collections.mlafleet.fleet.plugins.module_utils import weights_stage as host
@@ -75,17 +73,7 @@ def test_download_killed_mid_shard_resumes_with_a_range_request(model, tmp_path:
     dest = tmp_path / "dest"
     first = dest / (shards[0].name + ".partial")
     with mirror(origin, rate=400_000) as server:  # slow enough to kill mid-shard
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "mlafleet.weights", "weights", "stage", "--manifest", str(tmp_path / "manifest.json"),
-             "--dest", str(dest), "--from-url", server.url, "--reserve-mb", "0"],
-            cwd=REPO, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "collections")])},
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while not (first.exists() and first.stat().st_size > 200_000) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-        kept = first.stat().st_size
+        kept = stage_killed_once(tmp_path / "manifest.json", dest, server.url, first, 200_000)
         assert 200_000 < kept < shards[0].size
         assert not (dest / shards[0].name).exists()
         server.rate = 0
@@ -415,17 +403,6 @@ def test_host_module_needs_only_the_standard_library() -> None:
     assert all(utils.startswith(n) or n.startswith(utils + ".") for n in loaded)
 
 
-def _flip(path: Path, offset: int) -> None:
-    """One flipped byte, the file's size and mtime kept (what a stamp cannot see)."""
-    st = path.stat()
-    with open(path, "r+b") as handle:
-        handle.seek(offset)
-        byte = handle.read(1)
-        handle.seek(offset)
-        handle.write(bytes([byte[0] ^ 1]))
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-
-
 @pytest.fixture()
 def chunked(tmp_path: Path) -> tuple[Path, dict, list]:
     """The three shards with per-chunk sha256 of 64 KiB (about 17 chunks a shard)."""
@@ -452,7 +429,7 @@ def test_every_run_spot_checks_chunks_and_finds_a_silent_flip(chunked, tmp_path:
     origin, _, shards = chunked
     dest = tmp_path / "dest"
     host.stage(str(dest), shards, [host.PathSource(str(origin))])
-    _flip(dest / shards[1].name, 5000 + 3 * (64 << 10))  # in chunk 3 of shard 2
+    flip(dest / shards[1].name, 5000 + 3 * (64 << 10))  # in chunk 3 of shard 2
     # without the spot check the stamp is trusted: the documented limit
     assert host.prove_present(str(dest), shards, spot_chunks=0)["present"] == 3
     # two random chunks a shard (what the role does by default) read exactly that much
@@ -484,7 +461,7 @@ def test_every_run_spot_checks_chunks_and_finds_a_silent_flip(chunked, tmp_path:
     assert f"{result['spot_check']['chunks'] - 1} verified" in summary, summary
     assert_staged(dest, origin, shards)
     # in check mode nothing is fetched: the summary says what would happen
-    _flip(dest / shards[1].name, 5000 + 3 * (64 << 10))
+    flip(dest / shards[1].name, 5000 + 3 * (64 << 10))
     planned = host.stage(str(dest), shards, [host.PathSource(str(origin))], spot_chunks=every, check_mode=True)
     assert f"{shards[1].name} chunk 3 (of {every}), to be fetched again" in planned["spot_check"]["summary"]
     # the proof (the role's last check) names the chunk too
@@ -499,7 +476,7 @@ def test_random_picks_find_a_flip_in_proportion(chunked, tmp_path: Path) -> None
     origin, _, shards = chunked
     dest = tmp_path / "dest"
     host.stage(str(dest), shards, [host.PathSource(str(origin))])
-    _flip(dest / shards[0].name, 10)  # chunk 0
+    flip(dest / shards[0].name, 10)  # chunk 0
     n = len(shards[0].chunks)
     rng = random.Random(7)
     found = sum(bool(host.make_plan(str(dest), shards[:1], "stamp", 2, rng).spot_failed) for _ in range(300))

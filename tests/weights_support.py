@@ -8,7 +8,12 @@ split.tensors.count (i32); only the first carries the model's metadata.
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Iterator
@@ -118,3 +123,20 @@ def hub(cdn_url: str) -> Iterator[MirrorServer]:
     server.seen, server.cdn = [], cdn_url
     with serving(server):
         yield server
+
+
+def stage_killed_once(manifest: Path, dest: Path, url: str, partial: Path, past: int) -> int:
+    """`mlafleet weights stage` from `url`, SIGKILLed once `partial` holds more than `past` bytes
+    (a download killed half-way); returns the bytes the .partial kept."""
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlafleet.weights", "weights", "stage", "--manifest", str(manifest),
+         "--dest", str(dest), "--from-url", url, "--reserve-mb", "0"],
+        cwd=repo, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "collections")])},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while not (partial.exists() and partial.stat().st_size > past) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    return partial.stat().st_size
