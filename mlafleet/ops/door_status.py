@@ -5,7 +5,7 @@ On a host whose HAProxy runtime socket exists (a door: `front_door_socket`, defa
 of the `vllm` backend: its status (UP, DOWN, DRAIN, MAINT, ...), the administrative state mlafleet
 sets (ready, drain, maint), the sessions it carries now, its weight (0 while the door's completion
 check fails) and the last health check. The reading and parsing are the door module's own
-(plugins/modules/mlafleet_front_door.py: `ask`, `admin_of`, `servers_of`), sent as their source,
+(plugins/module_utils/haproxy_runtime.py: `ask`, `admin_of`, `servers_of`), sent as their source,
 so they exist once.
 
 - REMOTE_SNIPPET: appended to status's remote script (its `out`; the socket path is argv[5]).
@@ -17,13 +17,13 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from ansible_collections.mlafleet.fleet.plugins.modules import mlafleet_front_door as door_module
+from ansible_collections.mlafleet.fleet.plugins.module_utils import haproxy_runtime
 
 SOCKET = "/run/haproxy/admin.sock"
 BACKEND = "vllm"
 
 REMOTE_SNIPPET = "\nimport csv, io, socket\n" + "".join(
-    inspect.getsource(f) for f in (door_module.ask, door_module.admin_of, door_module.servers_of)) + f'''
+    inspect.getsource(f) for f in (haproxy_runtime.ask, haproxy_runtime.admin_of, haproxy_runtime.servers_of)) + f'''
 door_socket = sys.argv[5] if len(sys.argv) > 5 else {SOCKET!r}
 if os.path.exists(door_socket):
     try:
