@@ -21,6 +21,8 @@ import pytest
 import yaml
 from door_support import StandInVllm
 
+from ansible_collections.mlafleet.fleet.plugins.module_utils import haproxy_runtime
+
 REPO = Path(__file__).resolve().parent.parent
 ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
 
@@ -110,11 +112,7 @@ class Door:
             return b"".join(iter(lambda: sock.recv(65536), b"")).decode()
 
     def servers(self) -> list[dict]:
-        lines = self.ask("show stat").splitlines()
-        fields = lines[0][2:].split(",")
-        rows = [dict(zip(fields, line.split(","))) for line in lines[1:] if line]
-        return [{"name": r["svname"], "status": r["status"], "weight": int(r["weight"] or 0), "scur": int(r["scur"] or 0)}
-                for r in rows if r["pxname"] == "vllm" and r["svname"] not in ("FRONTEND", "BACKEND")]
+        return haproxy_runtime.servers_of(self.ask("show stat"), "vllm")
 
     def stop(self) -> None:
         if self.proc:
