@@ -78,3 +78,18 @@ def test_backends_already_out_of_service_count_against_the_plan():
     assert fd.front_door_min_serving(backends, [["a"], ["b"]], 1, healthy=["a", "b"]) == []
     # hosts that are not backends (the door itself) take nothing out
     assert fd.front_door_min_serving(backends, [["door"]], 2) == []
+
+
+def test_a_batch_of_backends_that_serve_nothing_now_loses_nothing():
+    backends = fd.front_door_backends(HOSTVARS, ["a", "b"], GROUPS)
+    # the first rollout behind a new door (nothing UP yet), and a repair of the one host that is down
+    assert fd.front_door_min_serving(backends, [["a"], ["b"]], 1, healthy=[]) == []
+    assert fd.front_door_min_serving(backends, [["b"], ["a"]], 1, healthy=["a"]) == []
+
+
+def test_the_plays_on_vllm_hosts_leave_the_doors_out():
+    assert fd.without_doors({"all": ["a", "b"], "ungrouped": ["a", "b"]}) == "all"
+    assert fd.without_doors({"all": ["a", "door"], "mlafleet_front_door": ["door"]}) == "all:!mlafleet_front_door"
+    # an empty door group (an inventory that declares it for later) leaves nothing out
+    assert fd.without_doors({"all": ["a"], "mlafleet_front_door": []}) == "all"
+    assert fd.without_doors({"all": ["a", "lb"], "edge": ["lb"]}, "edge") == "all:!edge"

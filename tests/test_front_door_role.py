@@ -64,7 +64,7 @@ class Door:
     def socket(self) -> Path:
         return self.tmp / "admin.sock"
 
-    def inventory(self, **extra) -> Path:
+    def inventory(self, extra_doors: dict | None = None, **extra) -> Path:
         local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
         inv = {"all": {
             "vars": {"front_door_config_dir": str(self.tmp), "front_door_socket": str(self.socket),
@@ -76,18 +76,19 @@ class Door:
                                           "after_ready": f"{self.hook} after_ready"}, **extra},
             "hosts": {"b1": {**local, "vllm_server_host": "127.0.0.1", "vllm_server_port": self.b1.port},
                       "b2": {**local, "vllm_server_host": "127.0.0.1", "vllm_server_port": self.b2.port}},
-            "children": {"mlafleet_front_door": {"hosts": {"door": local}}}}}
+            "children": {"mlafleet_front_door": {"hosts": {"door": local, **(extra_doors or {})}}}}}
         path = self.tmp / "inventory.yml"
         path.write_text(yaml.safe_dump(inv))
         return path
 
-    def play(self, hosts: str, entry: str, **extra) -> tuple[subprocess.CompletedProcess, dict]:
+    def play(self, hosts: str, entry: str, extra_doors: dict | None = None,
+             **extra) -> tuple[subprocess.CompletedProcess, dict]:
         play = self.tmp / f"{entry}.yml"
         play.write_text(PLAY.format(hosts=hosts, entry=entry))
         out = self.tmp / "out"
         out.mkdir(exist_ok=True)
         env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
-        done = subprocess.run([str(ANSIBLE_PLAYBOOK), "-i", str(self.inventory(**extra)), str(play),
+        done = subprocess.run([str(ANSIBLE_PLAYBOOK), "-i", str(self.inventory(extra_doors, **extra)), str(play),
                                "-e", json.dumps({"out": str(out)})],
                               capture_output=True, text=True, cwd=REPO, env=env, timeout=120, check=False)
         results = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
@@ -230,3 +231,26 @@ def test_a_server_that_answers_health_but_generates_nothing_is_taken_out_by_the_
     while [s["weight"] for s in door.servers() if s["name"] == "b2"] != [1] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert [s["weight"] for s in door.servers() if s["name"] == "b2"] == [1]
+
+
+def test_a_plan_that_leaves_nothing_serving_and_a_door_that_cannot_be_reached_are_refused(door):
+    """The rollout's check before anything changes (tasks_from: check, as playbooks/rollout.yml runs it)."""
+    done, _ = door.play("door", "config")
+    assert done.returncode == 0, done.stdout[-3000:]
+    door.start()
+    # both in one batch: nothing would serve; one at a time (the canary's plan): one serves throughout
+    done, _ = door.play("b1", "check", front_door_plan={"hosts": ["b1", "b2"], "serial": [2]})
+    assert done.returncode != 0
+    assert ("front door: batch 1 (b1, b2) takes b1, b2 out of the front door; 0 healthy backends would serve "
+            "(none), fewer than mlafleet_min_serving 1") in " ".join(done.stdout.split()), done.stdout[-2000:]
+    done, _ = door.play("b1", "check", front_door_plan={"hosts": ["b1", "b2"], "serial": [1, 1]})
+    assert done.returncode == 0, done.stdout[-3000:]
+    done, _ = door.play("b1", "check", front_door_plan={"hosts": ["b1", "b2"], "serial": [1, 1]},
+                        mlafleet_min_serving=2)
+    assert done.returncode != 0 and "fewer than mlafleet_min_serving 2" in done.stdout, done.stdout[-2000:]
+    # a second door nobody answers on: the check fails on it, named, and no backend was touched
+    dead = {"door-b": {"ansible_connection": "ssh", "ansible_host": "127.0.0.1", "ansible_port": free_port(),
+                       "ansible_ssh_common_args": "-o ConnectTimeout=3 -o StrictHostKeyChecking=no"}}
+    done, _ = door.play("b1", "check", extra_doors=dead, front_door_plan={"hosts": ["b1", "b2"], "serial": [1, 1]})
+    assert done.returncode != 0 and "door-b" in done.stdout and "UNREACHABLE" in done.stdout, done.stdout[-2000:]
+    assert [(s["name"], s["admin"]) for s in door.servers()] == [("b1", "ready"), ("b2", "ready")]

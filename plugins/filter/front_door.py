@@ -17,13 +17,21 @@ front_door_batches(hosts, serial) -> [[host, ...], ...]
 
 front_door_min_serving(backends, batches, min_serving=1, healthy=None) -> [reason, ...]
   For each batch: the backends it takes out (a member of a serving group takes its group's
-  backend), and a reason when fewer than min_serving healthy backends (`healthy`: names; default
-  every backend) stay in. An empty list: the plan keeps the door serving.
+  backend), and a reason when it takes a healthy one out and fewer than min_serving healthy
+  backends stay in: those healthy now (`healthy`: names; default every backend) and those of the
+  batches before it (a batch that passed put its backends back). A batch that takes out only
+  backends that serve nothing now (a first rollout, a repair) loses nothing and passes. An empty list: the plan keeps the door serving.
 
 front_door_healthy(views) -> [name, ...]
   The backends every door serves with (views: each door's servers as mlafleet_front_door returns
   them): UP, state ready, weight above 0 (the door's completion check sets 0 on a server whose
   completions fail).
+
+without_doors(groups, door_group="") -> str
+  The host pattern of every play that touches vLLM hosts: "all", or "all:!<door group>" when the
+  inventory has door hosts (group front_door_group, "" : mlafleet_front_door). A door host gets
+  no preflight, release, weights or server. Play patterns see extra vars but not group_vars: a
+  door group of another name is passed as `-e front_door_group=NAME`.
 
 front_door_requests_running(text) -> float
   vLLM's `vllm:num_requests_running` summed over its labels (engines, models), from a /metrics
@@ -36,6 +44,7 @@ from collections.abc import Mapping
 from typing import Any
 
 WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+DOOR_GROUP = "mlafleet_front_door"
 DEFAULT_PORT = 8000
 
 
@@ -115,11 +124,12 @@ def front_door_min_serving(backends: list[dict[str, Any]], batches: list[list[st
     names = [b["name"] for b in backends or []]
     of_host = {member: b["name"] for b in backends or [] for member in (b.get("members") or [b["name"]])}
     serving = [n for n in names if healthy is None or n in healthy]
-    reasons = []
+    reasons, back = [], []
     for number, batch in enumerate(batches or [], start=1):
         out = list(dict.fromkeys(of_host[h] for h in batch if h in of_host))
-        left = [n for n in serving if n not in out]
-        if out and len(left) < minimum:
+        left = [n for n in names if (n in serving or n in back) and n not in out]
+        back += out
+        if any(n in serving for n in out) and len(left) < minimum:
             down = [n for n in names if n not in serving]
             reasons.append(
                 f"batch {number} ({', '.join(batch)}) takes {', '.join(out)} out of the front door; "
@@ -140,6 +150,12 @@ def front_door_healthy(views: list[list[dict[str, Any]]]) -> list[str]:
     return [name for name in sets[0] if all(name in other for other in sets[1:])]
 
 
+def without_doors(groups: Mapping[str, list[str]], door_group: str = "") -> str:
+    """The host pattern of the plays on vLLM hosts: every host but the doors (see the module doc)."""
+    name = door_group or DOOR_GROUP
+    return f"all:!{name}" if (groups or {}).get(name) else "all"
+
+
 def front_door_requests_running(text: str) -> float:
     """vllm:num_requests_running summed over its labels; -1 when absent (see the module doc)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -153,4 +169,4 @@ class FilterModule:
     def filters(self) -> dict[str, Any]:
         return {"front_door_backends": front_door_backends, "front_door_batches": front_door_batches,
                 "front_door_min_serving": front_door_min_serving, "front_door_healthy": front_door_healthy,
-                "front_door_requests_running": front_door_requests_running}
+                "front_door_requests_running": front_door_requests_running, "without_doors": without_doors}
