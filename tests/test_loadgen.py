@@ -9,6 +9,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from door_support import StandInVllm
@@ -52,3 +53,19 @@ def test_the_command_prints_the_table_writes_json_and_fails_when_anything_was_lo
     finally:
         server.stop()
     assert done.returncode == 0 and done.stdout.split("\n")[1].split()[:4] == ["3", "3", "0", "0"], done.stdout
+
+
+def test_arrivals_stop_once_the_until_file_exists(tmp_path: Path):
+    stop = tmp_path / "stop"
+    server = StandInVllm(tokens=3, token_delay=0.0)
+    timer = threading.Timer(0.5, stop.touch)
+    try:
+        timer.start()
+        result = loadgen.run(f"http://127.0.0.1:{server.port}/v1/completions", rate=10, duration=60, max_tokens=3,
+                             until=str(stop))
+    finally:
+        timer.cancel()
+        server.stop()
+    # about 5 arrivals in the half second, not 600; each of them ran to its end
+    assert 3 <= result["sent"] <= 8 and result["ok"] == result["sent"], result["sent"]
+    assert result["seconds"] < 5

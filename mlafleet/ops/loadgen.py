@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -86,8 +87,10 @@ def summary(outcomes: list[Outcome], elapsed: float) -> dict[str, Any]:
 
 
 def run(url: str, rate: float, duration: float, *, model: str = "model", max_tokens: int = 256,
-        prompt: str = "Tell me a long story.", api_key: str = "", timeout: float = 600.0) -> dict[str, Any]:
-    """The load: `rate` requests per second for `duration` seconds, each to its end."""
+        prompt: str = "Tell me a long story.", api_key: str = "", timeout: float = 600.0,
+        until: str | None = None) -> dict[str, Any]:
+    """The load: `rate` requests per second for `duration` seconds (or until the file `until`
+    exists: a test stops the arrivals when its rollout is over), each to its end."""
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
                        "ignore_eos": True, "temperature": 0}).encode()
     headers = {"Content-Type": "application/json"}
@@ -101,6 +104,8 @@ def run(url: str, rate: float, duration: float, *, model: str = "model", max_tok
         delay = t0 + i / rate - time.monotonic()
         if delay > 0:
             time.sleep(delay)
+        if until and os.path.exists(until):
+            break
 
         def go(i: int = i) -> None:
             outcomes[i] = one(url, body, headers, timeout, i / rate, t0)
@@ -131,7 +136,7 @@ def _cmd(args: argparse.Namespace) -> int:
     if not url.endswith("/v1/completions"):
         url += "/v1/completions"
     result = run(url, args.rate, args.duration, model=args.model, max_tokens=args.max_tokens, prompt=args.prompt,
-                 api_key=args.api_key, timeout=args.timeout)
+                 api_key=args.api_key, timeout=args.timeout, until=args.until)
     print(table(result))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
@@ -150,5 +155,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default="", help="sent as Authorization: Bearer")
     p.add_argument("--timeout", type=float, default=600, help="seconds a request may stay silent (default 600)")
     p.add_argument("--json", help="write the numbers and every request's outcome here")
+    p.add_argument("--until", metavar="FILE",
+                   help="stop starting requests once FILE exists (--duration stays the cap); running ones finish")
     p.set_defaults(func=_cmd)
 
