@@ -63,3 +63,31 @@ def test_a_host_without_a_door_has_none_and_an_unreadable_door_is_named(tmp_path
     assert door_status.door_errors(rows) == ["door-01"]
     assert f"Front door door-01 ({plain}, backend vllm): cannot read HAProxy's runtime API" in door_status.section(rows)
     assert door_status.section([{"host": "lab1", "door": None}]) == ""
+
+
+def test_door_hosts_are_known_from_the_inventory_and_listed_under_the_table_only(tmp_path: Path):
+    inv = tmp_path / "hosts.yml"
+    inv.write_text("all:\n  hosts:\n    lab1: {ansible_host: 10.0.0.1}\n  children:\n"
+                   "    mlafleet_front_door:\n      hosts:\n        door-01: {ansible_host: 10.0.0.9}\n")
+    targets = {t.name: t for t in status.inventory_targets([inv])}
+    assert (targets["lab1"].front_door, targets["door-01"].front_door) == (False, True)
+    # a door group of another name (front_door_group, as the role reads it); a directory of its own
+    # (Ansible's group_vars plugin remembers what it found per directory)
+    other = tmp_path / "other"
+    (other / "group_vars").mkdir(parents=True)
+    (other / "group_vars" / "all.yml").write_text("front_door_group: edge\n")
+    (other / "hosts.yml").write_text(inv.read_text().replace("mlafleet_front_door", "edge"))
+    assert [t.name for t in status.inventory_targets([other / "hosts.yml"]) if t.front_door] == ["door-01"]
+    servers = [{"name": "lab1", "status": "UP", "admin": "ready", "scur": 0, "weight": 1, "check_status": "L7OK"}]
+    rows = [{"host": "lab1", "reachable": True, "current": "r1", "health": 200, "door": None},
+            {"host": "door-01", "reachable": True, "front_door": True, "current": None,
+             "door": {"socket": "/run/haproxy/admin.sock", "backend": "vllm", "servers": servers}}]
+    table = status.format_table(rows)
+    main, _, doors = table.partition("Front door ")
+    assert [line.split()[0] for line in main.strip().splitlines()[1:]] == ["lab1"]
+    assert doors.startswith("door-01 (/run/haproxy/admin.sock, backend vllm):") and "L7OK" in doors
+    # a door that cannot be reached stays in the table, with its error
+    rows[1] = {"host": "door-01", "reachable": False, "front_door": True, "error": "NoValidConnectionsError: refused"}
+    table = status.format_table(rows)
+    assert [line.split()[0] for line in table.strip().splitlines()[1:]] == ["lab1", "door-01"]
+    assert "NoValidConnectionsError: refused" in table

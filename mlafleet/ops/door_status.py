@@ -21,6 +21,8 @@ from ansible_collections.mlafleet.fleet.plugins.module_utils import haproxy_runt
 
 SOCKET = "/run/haproxy/admin.sock"
 BACKEND = "vllm"
+# The inventory group of the door hosts (front_door_group's default).
+DOOR_GROUP = "mlafleet_front_door"
 
 REMOTE_SNIPPET = "\nimport csv, io, socket\n" + "".join(
     inspect.getsource(f) for f in (haproxy_runtime.ask, haproxy_runtime.admin_of, haproxy_runtime.servers_of)) + f'''

@@ -204,6 +204,9 @@ class Target:
     group: str = ""
     # Where a front door's HAProxy runtime socket is (front_door_socket); read only where it exists.
     door_socket: str = door_status.SOCKET
+    # A front door host (inventory group front_door_group, default mlafleet_front_door): it serves no
+    # vLLM, so the table shows it under "Front door" only (JSON: front_door true).
+    front_door: bool = False
 
 
 def _bool(value: Any) -> bool:
@@ -296,6 +299,10 @@ def inventory_targets(inventories: list[Path], pattern: str = "all") -> list[Tar
     if not hosts:
         raise StatusError(f"no hosts in {', '.join(map(str, inventories))} match {pattern!r}")
     config = ansible_config()
+
+    def doors(group: str) -> list[str]:
+        return [h.name for h in inventory.groups[group].get_hosts()] if group in inventory.groups else []
+
     targets = []
     for host in hosts:
         hostvars = variables.get_vars(host=host)
@@ -313,7 +320,8 @@ def inventory_targets(inventories: list[Path], pattern: str = "all") -> list[Tar
             root=root, server_port=int(get("vllm_server_port", 8000)), host_keys=policy, known_hosts=known_hosts,
             lock_path=str(get("rollout_lock_path", f"{root}/.lock")), lab=_bool(get("mlafleet_lab", False)),
             group=str(get("mlafleet_serving_group", "") or ""),
-            door_socket=str(get("front_door_socket", door_status.SOCKET))))
+            door_socket=str(get("front_door_socket", door_status.SOCKET)),
+            front_door=host.name in doors(str(get("front_door_group", door_status.DOOR_GROUP)))))
     return targets
 
 
@@ -354,6 +362,8 @@ def probe(target: Target, timeout: float = 15.0) -> dict[str, Any]:
     import paramiko
 
     result: dict[str, Any] = {"host": target.name, "inventory_group": target.group}
+    if target.front_door:
+        result["front_door"] = True
     client = paramiko.SSHClient()
     if target.host_keys != "no":
         for path in target.known_hosts:
@@ -526,6 +536,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             host = r["host"]
         if not r.get("reachable") or "error" in r:
             lines.append((host, *["-"] * 11, r.get("error", "unreachable")))
+            continue
+        if r.get("front_door"):  # no vLLM there: its backends are listed under the table
             continue
         vllm = ", ".join(f"{k} {v}" for k, v in sorted(r.get("vllm", {}).items())) or "-"
         server = r.get("unit", "?") + (f" ({r['server_release']})" if r.get("server_release") else "")
