@@ -87,9 +87,11 @@ class Door:
         play.write_text(PLAY.format(hosts=hosts, entry=entry))
         out = self.tmp / "out"
         out.mkdir(exist_ok=True)
-        env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
+        # the report callback (ansible.cfg) records each play as a run named after its entry point
+        env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
+               "MLAFLEET_REPORT_ROOT": str(self.tmp / "reports")}
         done = subprocess.run([str(ANSIBLE_PLAYBOOK), "-i", str(self.inventory(extra_doors, **extra)), str(play),
-                               "-e", json.dumps({"out": str(out)})],
+                               "-e", json.dumps({"out": str(out), "mlafleet_run": entry})],
                               capture_output=True, text=True, cwd=REPO, env=env, timeout=120, check=False)
         results = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
         for p in out.glob("*.json"):
@@ -197,10 +199,19 @@ def test_drain_waits_for_the_running_stream_routes_around_it_and_ready_takes_it_
     assert result["idle"] is True and result["timed_out"] is False and result["running"] == 0
     assert float(result["seconds"]) >= 1.0 and time.monotonic() - started >= 4
     assert (door.tmp / "hooks.log").read_text() == f"before_drain 127.0.0.1 {busy.port}\n"
+    # the report callback recorded the drain (its span) and the door's session counts (the HTML
+    # report draws them: tests/test_report.py)
+    recorded = json.loads((door.tmp / "reports" / "drain" / "timeline.json").read_text())["door"]
+    (event,) = recorded["events"]
+    assert (event["host"], event["event"]) == (busy.name, "drain")
+    assert abs(event["end"] - event["start"] - float(result["seconds"])) < 0.01
+    assert recorded["samples"] and recorded["samples"][-1][1] >= 5  # the 6 s stream and the 4 short ones
 
     done, out = door.play(busy.name, "ready")
     assert done.returncode == 0, done.stdout[-3000:]
     assert out[busy.name]["ready"]["up"] is True
+    assert [e["event"] for e in json.loads((door.tmp / "reports" / "ready" / "timeline.json").read_text())
+            ["door"]["events"]] == ["ready"]
     assert [s["status"] for s in door.servers() if s["name"] == busy.name] == ["UP"]
     before = busy.streams
     threads = [threading.Thread(target=stream, args=(door.port, 10)) for _ in range(4)]

@@ -186,3 +186,32 @@ def test_ansible_playbook_users_get_the_report_too(tmp_path):
     assert status["h1"] == ("ok", "", "all, batch 1 of 2")
     assert status["h2"][0] == "failed" and "boom on h2" in status["h2"][1]
     assert 'id="host-h2"' in page.read_text()
+
+
+def test_a_backends_drain_down_and_ready_are_drawn_under_the_doors_request_rate(run_dir, tmp_path):
+    # What the callback records from the front_door role (front_door_drain, front_door_ready, and
+    # the door's cumulative sessions from each mlafleet_front_door answer), on the recorded run.
+    timeline = json.loads((run_dir / "timeline.json").read_text())
+    t = timeline["started"]
+    timeline["door"] = {
+        "events": [{"host": H2, "event": "drain", "start": t + 10, "end": t + 14, "timed_out": False},
+                   {"host": H2, "event": "ready", "start": t + 40, "end": t + 43, "up": True}],
+        "samples": [[t + 5, 100], [t + 14, 118], [t + 43, 176]]}
+    (run_dir / "timeline.json").write_text(json.dumps(timeline))
+    data = report.load(run_dir)
+    spans = next(h for h in data["hosts"] if h["host"] == H2)["door"]
+    assert [(s["kind"], round(s["t0"]), round(s["t1"])) for s in spans] == [
+        ("drain", 10, 14), ("down", 14, 40), ("ready", 40, 43)]
+    assert next(h for h in data["hosts"] if h["host"] == H3)["door"] == []
+    assert [(round(r["t0"]), round(r["t1"]), r["rate"]) for r in data["door_rate"]] == [(5, 14, 2.0), (14, 43, 2.0)]
+    svg = str(report.timeline_svg(data))
+    assert ">drain: +10.0 s for 4.0 s (drained)</title>" in svg
+    assert ">down: +14.0 s for 26.0 s (out of the door)</title>" in svg
+    assert ">ready: +40.0 s for 3.0 s (UP at the door)</title>" in svg
+    assert svg.count('class="door-rate"') == 2 and "2 sessions/s at the door, +5 s to +14 s" in svg
+    # no door in a run: no strip, no bands
+    assert 'class="door-' not in str(report.timeline_svg(report.load(RECORDED)))
+    page = report.render(run_dir)
+    dom = chromium(tmp_path, page, "--dump-dom")
+    assert dom.returncode == 0 and console_errors(dom.stderr) == [], dom.stderr[-2000:]
+    assert 'class="door-drain"' in dom.stdout

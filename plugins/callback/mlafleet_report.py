@@ -72,6 +72,9 @@ class CallbackModule(CallbackBase):
         self.batches: dict[str, int] = {}
         self.hosts: dict[str, list[dict]] = {}
         self.groups: dict[str, list[str]] = {}
+        # roles/front_door: each backend's drain and ready (front_door_drain, front_door_ready), and
+        # the sessions the door(s) had counted in all whenever the rollout read them
+        self.door: dict[str, list] = {"events": [], "samples": []}
         self.task_start: dict[tuple[str, str], float] = {}
         self.saved = 0.0
 
@@ -107,6 +110,7 @@ class CallbackModule(CallbackBase):
         plan = facts.get("mlafleet_rollout_plan") or facts.get("mlafleet_rollback_plan")
         if isinstance(plan, dict) and isinstance(plan.get("groups"), dict):
             self.groups = plan["groups"]
+        self._record_door(host, result._result or {}, facts)
         if host == "localhost" or not self.plays or task.action in ("include_role", "include_tasks",
                                                                        "ansible.builtin.include_role",
                                                                        "ansible.builtin.include_tasks"):
@@ -139,6 +143,25 @@ class CallbackModule(CallbackBase):
         if now - self.saved >= SAVE_EVERY_S:
             self._save_timeline()
 
+    def _record_door(self, host: str, res: dict, facts: dict) -> None:
+        """A backend's drain or ready (facts the front_door role sets), and the door's session count
+        from each answer of the mlafleet_front_door module (its servers' cumulative sessions)."""
+        now = time.time()
+        drain, ready = facts.get("front_door_drain"), facts.get("front_door_ready")
+        if isinstance(drain, dict):
+            seconds = float(drain.get("seconds") or 0)
+            self.door["events"].append({"host": host, "event": "drain", "start": now - seconds, "end": now,
+                                        "timed_out": bool(drain.get("timed_out"))})
+        if isinstance(ready, dict):
+            seconds = float(ready.get("seconds") or 0)
+            self.door["events"].append({"host": host, "event": "ready", "start": now - seconds, "end": now,
+                                        "up": bool(ready.get("up"))})
+        answers = [r for r in [res, *(res.get("results") or [])] if isinstance(r, dict)]
+        counts = [sum(int(s.get("stot") or 0) for s in r["servers"]) for r in answers
+                  if isinstance(r.get("servers"), list) and r["servers"] and "stot" in r["servers"][0]]
+        if counts:
+            self.door["samples"].append([now, sum(counts)])
+
     def v2_runner_on_ok(self, result):
         self._record(result, "changed" if (result._result or {}).get("changed") else "ok")
 
@@ -164,7 +187,7 @@ class CallbackModule(CallbackBase):
         timeline = {
             "run": self.run_id, "release": self.release_id, "playbook": self.playbook,
             "started": self.started, "ended": time.time() if stats is not None else None, "plays": self.plays,
-            "hosts": self.hosts, "groups": self.groups,
+            "hosts": self.hosts, "groups": self.groups, "door": self.door,
             "stats": ({h: stats.summarize(h) for h in sorted(stats.processed) if h != "localhost"}
                       if stats is not None else {}),
         }

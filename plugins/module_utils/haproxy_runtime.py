@@ -47,6 +47,7 @@ def servers_of(text: str, backend: str) -> list[dict]:
             continue
         status = row.get("status") or ""
         out.append({"name": row["svname"], "status": status, "admin": admin_of(status),
-                    "scur": int(row.get("scur") or 0), "weight": int(row.get("weight") or 0),
+                    "scur": int(row.get("scur") or 0), "stot": int(row.get("stot") or 0),
+                    "weight": int(row.get("weight") or 0),
                     "check_status": row.get("check_status") or "", "address": row.get("addr") or ""})
     return out

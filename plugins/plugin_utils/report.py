@@ -27,6 +27,8 @@ from markupsafe import Markup, escape
 TEMPLATE = Path(__file__).resolve().parent / "templates" / "report.html.j2"
 STATUS_COLORS = {"ok": "#3a9a4a", "changed": "#2f6fba", "failed": "#c62828", "unreachable": "#7b1fa2",
                  "rollback": "#e07b00"}
+# A backend's time out of the front door: draining, down (restart, smoke test, gate), back to UP.
+DOOR_COLORS = {"drain": "#f9a825", "down": "#616161", "ready": "#00897b"}
 VERDICT_CLASSES = {"passed": "ok", "baseline": "info", "accepted": "warn", "failed": "bad"}
 # Roles whose run on a host marks the start of its batch's rollback (playbooks/rollout.yml).
 ROLLBACK_ROLE = "vllm_rollback"
@@ -79,6 +81,7 @@ def load(run_dir: Path) -> dict[str, Any]:
             "release": report.get("rolled_back_to") or (report.get("release") if report.get("ok") else None),
             "rolled_back_to": report.get("rolled_back_to"),
             "changed": (run_hosts.get(name) or {}).get("changed", []),
+            "door": _door_spans(name, (timeline.get("door") or {}).get("events") or [], start),
         })
     ended = timeline.get("ended") or max((s["t1"] + start for h in hosts for s in h["segments"]), default=start)
     for play in plays:  # a run cut short (Ctrl-C) never closed its last play
@@ -100,7 +103,35 @@ def load(run_dir: Path) -> dict[str, Any]:
         "failed_hosts": failed,
     }
     return {"summary": summary, "hosts": hosts, "plays": plays, "duration": max(ended - start, 1e-3),
-            "start": start, "run_dir": str(run_dir), "has_run_json": run is not None}
+            "start": start, "run_dir": str(run_dir), "has_run_json": run is not None,
+            "door_rate": _door_rate((timeline.get("door") or {}).get("samples") or [], start)}
+
+
+def _door_spans(name: str, events: list[dict[str, Any]], start: float) -> list[dict[str, Any]]:
+    """A backend's time out of the front door (roles/front_door), in seconds from the run's start:
+    draining (no new requests; running ones finish), down (stopped, restarted, smoke-tested and
+    gated) and the wait until the door saw it UP again; an open span ends where the next begins."""
+    spans, drained = [], None
+    for e in sorted((e for e in events if e.get("host") == name), key=lambda e: e["end"]):
+        if e["event"] == "drain":
+            spans.append({"kind": "drain", "t0": e["start"] - start, "t1": e["end"] - start,
+                          "note": "drain ran out of time" if e.get("timed_out") else "drained"})
+            drained = e["end"] - start
+        elif e["event"] == "ready":
+            if drained is not None:
+                spans.append({"kind": "down", "t0": drained, "t1": e["start"] - start, "note": "out of the door"})
+            spans.append({"kind": "ready", "t0": e["start"] - start, "t1": e["end"] - start,
+                          "note": "UP at the door" if e.get("up") else "not UP at the door in time"})
+            drained = None
+    return spans
+
+
+def _door_rate(samples: list[list[float]], start: float) -> list[dict[str, float]]:
+    """Sessions per second the door(s) took between two readings (the rollout reads them at each
+    check, drain and ready): [{t0, t1, rate}] in seconds from the run's start."""
+    points = sorted((t - start, n) for t, n in samples)
+    return [{"t0": a[0], "t1": b[0], "rate": (b[1] - a[1]) / (b[0] - a[0])}
+            for a, b in zip(points, points[1:]) if b[0] - a[0] >= 1 and b[1] >= a[1]]
 
 
 def _exit_text(run: dict[str, Any] | None) -> str | None:
@@ -184,7 +215,9 @@ def timeline_svg(data: dict[str, Any], width: int = 1100) -> Markup:
             first_batch[h["group"]] = min(first_batch.get(h["group"], h["batch"]), h["batch"])
     hosts = sorted(data["hosts"], key=lambda h: (first_batch.get(h.get("group"), h["batch"]),
                                                  h.get("group") or h["host"], h["host"]))
-    label_w, row_h, top = 230, 26, 34
+    rate = data.get("door_rate") or []
+    strip = 46 if rate else 0  # the door's request rate, above the hosts
+    label_w, row_h, top = 230, 26, 34 + strip
     plot_w = width - label_w - 10
     height = top + row_h * len(hosts) + 28
     scale = plot_w / data["duration"]
@@ -202,6 +235,18 @@ def timeline_svg(data: dict[str, Any], width: int = 1100) -> Markup:
         if x1 - x0 > 70:
             text = play["name"] if play["batch"] == 1 else f"{play['name']} #{play['batch']}"
             out.append(f'<text x="{x0 + 3:.1f}" y="{top - 12}" class="play">{escape(text[:int((x1 - x0) / 6)])}</text>')
+    if rate:
+        peak = max(r["rate"] for r in rate) or 1.0
+        base_y = top - 14
+        out.append(f'<text x="4" y="{base_y - 12}" class="host">front door, sessions/s</text>'
+                   f'<text x="{label_w - 4}" y="{base_y - strip + 24}" class="tick" text-anchor="end">'
+                   f'{_num(peak, 2)}</text>')
+        for r in rate:
+            x0, x1 = label_w + r["t0"] * scale, label_w + r["t1"] * scale
+            h = (strip - 20) * r["rate"] / peak
+            out.append(f'<rect x="{x0:.1f}" y="{base_y - h:.1f}" width="{max(x1 - x0, 0.5):.1f}" height="{h:.1f}" '
+                       f'class="door-rate" fill="#90a4ae"><title>{escape(_num(r["rate"], 2))} sessions/s at the door, '
+                       f'+{r["t0"]:.0f} s to +{r["t1"]:.0f} s</title></rect>')
     row = 0
     while row < len(hosts):  # a serving group's rows: one frame, the group's name, its members indented
         group = hosts[row].get("group")
@@ -232,6 +277,11 @@ def timeline_svg(data: dict[str, Any], width: int = 1100) -> Markup:
                    + "".join(f"; FAILED {f['task']}: {f['msg'][:300]}" for f in s["failures"]))
             out.append(f'<rect x="{x:.1f}" y="{y + 4}" width="{w:.1f}" height="{row_h - 8}" fill="{color}" '
                        f'class="seg {s["status"]}"><title>{escape(tip)}</title></rect>')
+        for d in host.get("door") or []:  # out of the front door: a band under the host's bars
+            x, w = label_w + d["t0"] * scale, max((d["t1"] - d["t0"]) * scale, 1.5)
+            out.append(f'<rect x="{x:.1f}" y="{y + row_h - 5}" width="{w:.1f}" height="4" fill="{DOOR_COLORS[d["kind"]]}" '
+                       f'class="door-{d["kind"]}"><title>{escape(d["kind"])}: +{d["t0"]:.1f} s for '
+                       f'{d["t1"] - d["t0"]:.1f} s ({escape(d["note"])})</title></rect>')
     axis_y = top + row_h * len(hosts) + 4
     out.append(f'<line x1="{label_w}" y1="{axis_y}" x2="{label_w + plot_w}" y2="{axis_y}" stroke="#666"/>')
     step = _tick_step(data["duration"])
