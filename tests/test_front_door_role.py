@@ -268,3 +268,17 @@ def test_a_plan_that_leaves_nothing_serving_and_a_door_that_cannot_be_reached_ar
     done, _ = door.play("b1", "check", extra_doors=dead, front_door_plan={"hosts": ["b1", "b2"], "serial": [1, 1]})
     assert done.returncode != 0 and "door-b" in done.stdout and "UNREACHABLE" in done.stdout, done.stdout[-2000:]
     assert [(s["name"], s["admin"]) for s in door.servers()] == [("b1", "ready"), ("b2", "ready")]
+
+
+def test_a_backend_that_refuses_connections_before_its_checks_fail_costs_no_request(door):
+    # checks every 30 s: the door still counts b2 UP after its server is gone; each request it sends
+    # there is refused at connect and tried again on b1 (retries, option redispatch)
+    done, _ = door.play("door", "config", front_door_health_interval=30)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "option redispatch 1" in (door.tmp / "haproxy.cfg").read_text()
+    door.start()
+    door.b2.stop()
+    assert all(s["status"].startswith("UP") for s in door.servers())  # "UP 1/2": going down, still UP
+    before = door.b1.streams
+    assert [stream(door.port, 2) for _ in range(6)] == [200] * 6
+    assert door.b1.streams - before == 6
