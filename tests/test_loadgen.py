@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from door_support import StandInVllm
@@ -69,3 +70,4 @@ def test_arrivals_stop_once_the_until_file_exists(tmp_path: Path):
     # about 5 arrivals in the half second, not 600; each of them ran to its end
     assert 3 <= result["sent"] <= 8 and result["ok"] == result["sent"], result["sent"]
     assert result["seconds"] < 5
+    assert abs(result["started_at"] - (time.time() - result["seconds"])) < 5  # where its request starts count from

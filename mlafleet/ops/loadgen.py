@@ -11,7 +11,8 @@ stalls meets the same arrivals as one that serves. Each request asks for a strea
 - failed: refused, reset or answered with an error status.
 
 Prints a table (sent, ok, failed, truncated, TTFT p50/p99 of the ok requests, requests per second
-completed ok) and, with --json, writes the same numbers and each request's outcome as JSON.
+completed ok) and, with --json, writes the same numbers, when the load started (epoch seconds;
+each request's `start` counts from it) and each request's outcome as JSON.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def run(url: str, rate: float, duration: float, *, model: str = "model", max_tok
     count = max(1, int(rate * duration))
     outcomes: list[Outcome | None] = [None] * count
     threads = []
-    t0 = time.monotonic()
+    t0, started_at = time.monotonic(), time.time()
     for i in range(count):
         delay = t0 + i / rate - time.monotonic()
         if delay > 0:
@@ -116,7 +117,8 @@ def run(url: str, rate: float, duration: float, *, model: str = "model", max_tok
     for thread in threads:
         thread.join()
     done = [o for o in outcomes if o is not None]
-    return {"url": url, "rate": rate, "max_tokens": max_tokens, **summary(done, time.monotonic() - t0),
+    return {"url": url, "rate": rate, "max_tokens": max_tokens, "started_at": round(started_at, 3),
+            **summary(done, time.monotonic() - t0),
             "requests": [asdict(o) for o in done]}
 
 
