@@ -451,3 +451,12 @@ def test_rollback_playbook_reports_every_failure(scratch, tmp_path):
     # Nothing changed: links as they were, the other run's lock untouched, no lock left by this run.
     assert os.readlink(root / "inc" / "current") == "releases/rel-b" and not (root / "nop" / ".lock").exists()
     assert json.loads((root / "held" / ".lock").read_text())["run"] == "other"
+
+
+def test_a_rollback_takes_batch_sizes_too():
+    # one backend at a time keeps a front door serving through a rollback (docs/front-door.md)
+    from mlafleet.cli import build_parser
+
+    args = build_parser().parse_args(["rollback", "-i", "inv", "--serial", "1", "--to", "r1"])
+    assert (args.serial, args.to) == ("1", "r1")
+    assert build_parser().parse_args(["rollback", "-i", "inv"]).serial is None

@@ -886,6 +886,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         if command != "rollback":
             p.add_argument("--serial", help='batch sizes, e.g. 1 or "[1, 25%%]" (default [1, "100%%"])')
         else:
+            # one backend at a time keeps a front door serving through a rollback (docs/front-door.md)
+            p.add_argument("--serial", help='batch sizes, e.g. 1 (default "100%%": every host at once)')
             p.add_argument("--to", default="previous", help="release id to restore (default: previous)")
         p.add_argument("--playbook", help=f"run this playbook instead of {COMMAND_PLAYBOOKS[command][0]} (a playbook "
                                           "of your own that uses the collection's roles), with the same progress, "
