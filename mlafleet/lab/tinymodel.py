@@ -4,10 +4,16 @@ The model has GLM-5's attention geometry (64 heads, kv_lora_rank 512, qk_nope 19
 v_head 256, a 32-head x 128 DSA indexer with topk 2048) but 2 layers (one dense, one MoE with
 8 small experts) and a 2048-token vocabulary (`files/models/tiny-glm5/config.json`, the team's).
 
-It is written in two forms that hold the same numbers:
+It is written in three forms that hold the same numbers:
 - Hugging Face layout: `config.json`, `tokenizer.json` + `tokenizer_config.json`, and
   `model.safetensors` with GLM-5's checkpoint names (`model.layers.N.self_attn.kv_b_proj.weight`,
   per-expert `mlp.experts.E.gate_proj.weight`, ...), bf16 (the router bias in fp32).
+- Block-FP8 safetensors snapshot, laid out as GLM-5's official FP8 checkpoints are
+  (`write_tiny_glm5_fp8`): the same bf16 weights, every linear weight GLM-5-FP8 stores in FP8
+  quantised to float8_e4m3fn in 128x128 blocks with a float32 `<name>_scale_inv` of shape
+  ceil(rows/128) x ceil(cols/128) (weight ~= fp8 * scale_inv per block); config.json with the fp8
+  `quantization_config`; `model-0000K-of-0000N.safetensors` + `model.safetensors.index.json`,
+  `generation_config.json` and the tokenizer files.
 - GGUF split into shards `<name>-0000K-of-0000N.gguf`, laid out the way llama.cpp converts GLM-5:
   architecture `glm-dsa`, tensor names from the `gguf` package (MODEL_ARCH.GLM_DSA), experts
   stacked into `ffn_{gate,up,down}_exps`, and `kv_b_proj` split per head into `attn_k_b`
@@ -23,6 +29,7 @@ deterministic for a seed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -30,7 +37,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import gguf
 import numpy as np
@@ -374,6 +381,27 @@ def write_gguf(out_dir: Path, config: dict[str, Any], tensors: dict[str, torch.T
     return paths
 
 
+@contextlib.contextmanager
+def _staged(out: Path) -> Iterator[tuple[Path, list[Path]]]:
+    """A staging directory beside `out` and the list of files written into it; on a clean exit
+    the files are moved into `out` (created if absent). A failure leaves `out` as it was."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-staging-"))
+    written: list[Path] = []
+    try:
+        yield staging, written
+        out.mkdir(exist_ok=True)
+        for path in written:
+            os.replace(path, out / path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_config_and_tokenizer(directory: Path, config: dict[str, Any], tok) -> list[Path]:
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return [directory / "config.json"] + _write_tokenizer(tok, directory)
+
+
 def write_tiny_glm5(out_dir: str | Path, *, gguf_shards: int = 3, safetensors: bool = True, seed: int = 0,
                     gguf_type: str = "Q8_0", kv_b_type: str | None = None,
                     config: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -401,12 +429,9 @@ def write_tiny_glm5(out_dir: str | Path, *, gguf_shards: int = 3, safetensors: b
     tok = build_tokenizer(config["vocab_size"], seed)
 
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-staging-"))
-    try:
-        written = [staging / "config.json"]
-        written[0].write_text(json.dumps(config, indent=2) + "\n")
-        written += _write_tokenizer(tok, staging)
+    shards: list[Path] = []
+    with _staged(out) as (staging, written):
+        written += _write_config_and_tokenizer(staging, config, tok)
         if safetensors:
             from safetensors.torch import save_file
 
@@ -414,15 +439,164 @@ def write_tiny_glm5(out_dir: str | Path, *, gguf_shards: int = 3, safetensors: b
             save_file(state, str(written[-1]), metadata={"format": "pt"})
         shards = write_gguf(staging, config, tensors, tok, shards=gguf_shards, gguf_type=gguf_type,
                             kv_b_type=kv_b_type) if gguf_shards else []
-        out.mkdir(exist_ok=True)
-        for path in written + shards:
-            os.replace(path, out / path.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        written += shards
     return {
         "dir": out,
         "config": out / "config.json",
         "tokenizer": [out / "tokenizer.json", out / "tokenizer_config.json"],
         "safetensors": out / "model.safetensors" if safetensors else None,
         "gguf": [out / p.name for p in shards],
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Block-FP8 safetensors, as GLM-5's official FP8 checkpoints are laid out
+
+FP8_BLOCK = (128, 128)
+FP8_E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+FP8_SCALE_SUFFIX = "_scale_inv"
+# config.json's quantization_config of GLM-5-FP8 (read by vLLM's Fp8Config: quant_method,
+# activation_scheme, weight_block_size, and modules_to_not_convert as its ignored layers);
+# modules_to_not_convert is filled per model by fp8_quantization_config()
+FP8_QUANTIZATION: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                    "weight_block_size": list(FP8_BLOCK)}
+# The matrices GLM-5's FP8 checkpoints keep in bf16: embeddings, lm_head, the MoE router
+# (mlp.gate) and the indexer's per-head weights (indexer.weights_proj); norms and the router's
+# correction bias are 1-D and never quantised. Every other matrix is FP8: q_a/q_b, kv_a/kv_b, o,
+# the indexer's wq_b and wk, the dense MLP, the shared and the routed experts.
+_FP8_KEPT_BF16 = ("model.embed_tokens.weight", "lm_head.weight", ".mlp.gate.weight",
+                  ".indexer.weights_proj.weight")
+
+
+def fp8_block_quantized(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether GLM-5's FP8 checkpoints store this tensor as a block-FP8 weight."""
+    return len(shape) == 2 and name.endswith(".weight") and not name.endswith(_FP8_KEPT_BF16)
+
+
+def fp8_quantization_config(config: dict[str, Any]) -> dict[str, Any]:
+    """FP8_QUANTIZATION with modules_to_not_convert: the model's matrices kept in bf16, by module name."""
+    kept = [name.removesuffix(".weight") for name, shape in hf_shapes(config).items()
+            if len(shape) == 2 and not fp8_block_quantized(name, shape)]
+    return {**FP8_QUANTIZATION, "modules_to_not_convert": kept}
+
+
+def _blocks(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:
+    return -(-rows // block[0]), -(-cols // block[1])
+
+
+def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [rows, cols] weight -> (float8_e4m3fn weight, float32 scale_inv [ceil(rows/R), ceil(cols/C)]).
+
+    Each block's scale is its largest magnitude / 448 (1 for an all-zero block), so the block's
+    largest value maps to e4m3's largest; weight ~= fp8 * scale_inv, block by block.
+    """
+    if weight.ndim != 2:
+        raise ValueError(f"block-FP8 quantises matrices, got shape {tuple(weight.shape)}")
+    rows, cols = weight.shape
+    n_r, n_c = _blocks(rows, cols, block)
+    padded = torch.zeros(n_r * block[0], n_c * block[1], dtype=torch.float32)
+    padded[:rows, :cols] = weight.to(torch.float32)
+    tiles = padded.view(n_r, block[0], n_c, block[1])
+    amax = tiles.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    q = (tiles / scale[:, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.view(n_r * block[0], n_c * block[1])[:rows, :cols].contiguous(), scale.contiguous()
+
+
+def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor,
+                         block: tuple[int, int] = FP8_BLOCK) -> torch.Tensor:
+    """float32 weight = fp8 * scale_inv, each scale over its block (the inverse of quantize_fp8_block)."""
+    rows, cols = q.shape
+    if tuple(scale_inv.shape) != _blocks(rows, cols, block):
+        raise ValueError(f"scale_inv {tuple(scale_inv.shape)} does not cover {rows} x {cols} in {block} blocks")
+    full = scale_inv.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)[:rows, :cols]
+    return q.to(torch.float32) * full
+
+
+def fp8_block_state_dict(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
+    """hf_state_dict(config, seed) with every weight fp8_block_quantized() names as float8_e4m3fn,
+    its `<name>_scale_inv` right after it; every other tensor as it is (bf16, the router bias fp32)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in hf_state_dict(config, seed).items():
+        if fp8_block_quantized(name, tuple(tensor.shape)):
+            out[name], out[name + FP8_SCALE_SUFFIX] = quantize_fp8_block(tensor)
+        else:
+            out[name] = tensor
+    return out
+
+
+def _shard_groups(state: dict[str, torch.Tensor], shards: int) -> list[list[str]]:
+    """The tensors in order, cut into `shards` runs of about equal bytes; a weight and its scale
+    stay in one file (as the official checkpoints mostly keep them)."""
+    units: list[list[str]] = []
+    for name in state:
+        if name.endswith(FP8_SCALE_SUFFIX) and units and units[-1][-1] == name.removesuffix(FP8_SCALE_SUFFIX):
+            units[-1].append(name)
+        else:
+            units.append([name])
+    if not 1 <= shards <= len(units):
+        raise ValueError(f"shards {shards} is not possible for {len(units)} weights: use 1..{len(units)}")
+    size = {n: t.numel() * t.element_size() for n, t in state.items()}
+    total = sum(size.values())
+    groups: list[list[str]] = [[]]
+    done = 0
+    for k, unit in enumerate(units):
+        # start the next file once this one holds its share, leaving a weight for every file still to come
+        full = done >= total * len(groups) / shards
+        if groups[-1] and len(groups) < shards and (full or len(units) - k == shards - len(groups)):
+            groups.append([])
+        groups[-1] += unit
+        done += sum(size[n] for n in unit)
+    return groups
+
+
+def write_safetensors_snapshot(directory: Path, state: dict[str, torch.Tensor], shards: int) -> list[Path]:
+    """`state` as model-0000K-of-0000N.safetensors files and model.safetensors.index.json (tensor ->
+    file, metadata.total_size: the tensors' bytes), the Hugging Face sharded layout; returns every path."""
+    from safetensors.torch import save_file
+
+    groups = _shard_groups(state, shards)
+    paths, weight_map = [], {}
+    for k, names in enumerate(groups, start=1):
+        path = directory / f"model-{k:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: state[n] for n in names}, str(path), metadata={"format": "pt"})
+        paths.append(path)
+        weight_map.update(dict.fromkeys(names, path.name))
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+             "weight_map": dict(sorted(weight_map.items()))}
+    paths.append(directory / "model.safetensors.index.json")
+    paths[-1].write_text(json.dumps(index, indent=2) + "\n")
+    return paths
+
+
+def write_tiny_glm5_fp8(out_dir: str | Path, *, shards: int = 4, seed: int = 0,
+                        config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write the tiny GLM-5 as a block-FP8 safetensors snapshot into `out_dir` (created if absent).
+
+    The weights are write_tiny_glm5's for the same seed and config, quantised where GLM-5's FP8
+    checkpoints are (fp8_block_quantized); config.json carries fp8_quantization_config(). Written
+    into a staging directory first, like write_tiny_glm5. Returns paths: `dir`, `config`,
+    `generation_config`, `tokenizer`, `safetensors` (the files, in order), `index`, and
+    `fp8_weights` (how many weights are FP8).
+    """
+    config = dict(config or load_config())
+    config["quantization_config"] = fp8_quantization_config(config)
+    state = fp8_block_state_dict(config, seed)
+    tok = build_tokenizer(config["vocab_size"], seed)
+    out = Path(out_dir)
+    with _staged(out) as (staging, written):
+        written += _write_config_and_tokenizer(staging, config, tok)
+        generation = {"eos_token_id": config["eos_token_id"], "pad_token_id": config["pad_token_id"]}
+        written.append(staging / "generation_config.json")
+        written[-1].write_text(json.dumps(generation, indent=2) + "\n")
+        files = write_safetensors_snapshot(staging, state, shards)
+        written += files
+    return {
+        "dir": out,
+        "config": out / "config.json",
+        "generation_config": out / "generation_config.json",
+        "tokenizer": [out / "tokenizer.json", out / "tokenizer_config.json"],
+        "safetensors": [out / p.name for p in files[:-1]],
+        "index": out / files[-1].name,
+        "fp8_weights": sum(1 for n in state if n + FP8_SCALE_SUFFIX in state),
     }
