@@ -3,11 +3,14 @@
     python bench/engine_e2e.py run OUT.json --model DIR --backend TRITON_MLA_SPARSE \\
         --kv fp8_ds_mla --indexer fallback [--gguf] [--tp 2]
     python bench/engine_e2e.py compare OUT_DIR/*.json     # a markdown report on stdout
+    python bench/engine_e2e.py tokens OUT.json RUN.json...  # each run's greedy tokens beside its reference's
     python bench/engine_e2e.py profile RUN.json TRACE_DIR  # (re)read a run's --profile trace into RUN.json
 
 The model is the project's tiny GLM-5 (`mlafleet.lab.tinymodel.write_tiny_glm5`: GLM-5's attention
 and indexer geometry, 2 layers, random weights) loaded from its safetensors or, with --gguf,
-from its 3 GGUF shards through the patch set's glm-dsa loader. Prompts are token ids.
+from its 3 GGUF shards through the patch set's glm-dsa loader; a block-FP8 snapshot
+(`write_tiny_glm5_fp8`) loads the same way as safetensors, vLLM reading its quantization_config
+(the run's `weights` says "fp8-block safetensors"). Prompts are token ids.
 
 1. Correctness: 4 prompts (3000 and 2100 tokens, so the indexer's top-2048 selection drops
    tokens; 700 and 40 tokens), prompt log-probabilities (the prefill path), 32 greedy tokens
@@ -26,6 +29,10 @@ from its 3 GGUF shards through the patch set's glm-dsa loader. Prompts are token
    the trace it writes to DIR (`compare` prints the runs' profiles side by side). With
    --profile-phase prefill instead: the same batch with one output token, every step of it
    profiled (its prefill chunks), the kernels' time per step and in all (`prefill_profile`).
+
+--correctness-only skips 2. (the greedy tokens are what a comparison of backends needs); --dry-run
+parses the arguments, reads the model's config.json and prints what the run would pass to vLLM
+(imports neither vLLM nor torch: bench/engine_gpu.sh's DRY_RUN=1 runs it on the CPU).
 
 --indexer fallback sets MLAFLEET_INDEXER_FALLBACK=1 (the DeepGEMM-free indexer) and
 MLAFLEET_INDEXER_TOPK (default triton: the top-k that 8.x, and SM120 on 0.20.2, run); deepgemm leaves vLLM's own
@@ -71,30 +78,61 @@ def _prompts(lengths: list[int], seed: int, vocab: int) -> list:
     return [TokensPrompt(prompt_token_ids=torch.randint(1, vocab, (n,), generator=gen).tolist()) for n in lengths]
 
 
-def run(args: argparse.Namespace) -> None:
-    if args.indexer == "fallback":
-        os.environ["MLAFLEET_INDEXER_FALLBACK"] = "1"
-        os.environ["MLAFLEET_INDEXER_TOPK"] = args.topk
-    else:
-        os.environ.pop("MLAFLEET_INDEXER_FALLBACK", None)
+def weights_kind(config: dict, gguf: bool) -> str:
+    """What the run loads: "gguf", "safetensors" (bf16) or "fp8-block safetensors" (a quantization_config
+    with quant_method fp8 and weight_block_size, as GLM-5's FP8 checkpoints have)."""
+    if gguf:
+        return "gguf"
+    quant = config.get("quantization_config") or {}
+    if quant.get("quant_method") == "fp8" and quant.get("weight_block_size"):
+        return "fp8-block safetensors"
+    return "safetensors"
+
+
+def _engine_env(args: argparse.Namespace) -> dict[str, str | None]:
+    """The environment the run sets for vLLM and the patch set (None: removed)."""
+    env: dict[str, str | None] = ({"MLAFLEET_INDEXER_FALLBACK": "1", "MLAFLEET_INDEXER_TOPK": args.topk}
+                                  if args.indexer == "fallback" else {"MLAFLEET_INDEXER_FALLBACK": None})
     if args.profile:  # vLLM's per-step scopes (the step count of a profile)
-        os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
+        env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
+    return env
+
+
+def _llm_kwargs(args: argparse.Namespace) -> dict:
+    """What the run passes to vllm.LLM."""
+    model = sorted(glob.glob(os.path.join(args.model, "*-00001-of-*.gguf")))[0] if args.gguf else args.model
+    return dict(model=model, tokenizer=args.model, dtype="bfloat16", enforce_eager=not args.graphs, max_model_len=4096,
+                seed=0, gpu_memory_utilization=0.45, kv_cache_dtype=args.kv, enable_prefix_caching=False,
+                tensor_parallel_size=args.tp, disable_custom_all_reduce=True, max_num_seqs=64,
+                **({} if args.backend == "auto" else {"attention_config": {"backend": args.backend}}),
+                **({"max_num_batched_tokens": args.chunk} if args.chunk else {}),
+                **({"profiler_config": _profiler_config(args.profile, args.profile_phase)} if args.profile else {}))
+
+
+def run(args: argparse.Namespace) -> None:
+    config = json.load(open(os.path.join(args.model, "config.json")))
+    if args.dry_run:
+        print(json.dumps({"out": args.out, "weights": weights_kind(config, args.gguf), "env": _engine_env(args),
+                          "llm": _llm_kwargs(args), "prompt_lengths": PROMPT_LENGTHS,
+                          "greedy_tokens": GREEDY_TOKENS, "index_topk": config.get("index_topk"),
+                          "throughput": not args.correctness_only}), flush=True)
+        return
+    for key, value in _engine_env(args).items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     from vllm import LLM, SamplingParams
 
-    config = json.load(open(os.path.join(args.model, "config.json")))
     vocab = config["vocab_size"]
-    model = sorted(glob.glob(os.path.join(args.model, "*-00001-of-*.gguf")))[0] if args.gguf else args.model
     start = time.perf_counter()
-    llm = LLM(model=model, tokenizer=args.model, dtype="bfloat16", enforce_eager=not args.graphs, max_model_len=4096,
-              seed=0, gpu_memory_utilization=0.45, kv_cache_dtype=args.kv, enable_prefix_caching=False,
-              tensor_parallel_size=args.tp, disable_custom_all_reduce=True, max_num_seqs=64,
-              **({} if args.backend == "auto" else {"attention_config": {"backend": args.backend}}),
-              **({"max_num_batched_tokens": args.chunk} if args.chunk else {}),
-              **({"profiler_config": _profiler_config(args.profile, args.profile_phase)} if args.profile else {}))
+    llm = LLM(**_llm_kwargs(args))
     result = {"backend": args.backend, "kv_cache_dtype": args.kv, "indexer": args.indexer,
-              "topk": args.topk if args.indexer == "fallback" else "vllm", "weights": "gguf" if args.gguf else "safetensors",
+              "topk": args.topk if args.indexer == "fallback" else "vllm", "weights": weights_kind(config, args.gguf),
               "tp": args.tp, "heads": config["num_attention_heads"], "layers": config["num_hidden_layers"],
               "chunk": args.chunk, "graphs": args.graphs, "engine_start_s": round(time.perf_counter() - start, 1),
+              # VLLM_USE_DEEP_GEMM=0: no DeepGEMM anywhere (block-FP8 GEMMs then run on CUTLASS/Triton, as on SM120)
+              "deep_gemm": os.environ.get("VLLM_USE_DEEP_GEMM", "").strip() != "0",
               # the sparse-MLA launcher's fp8_ds_mla kernel override (bench/engine_gpu.sh heads8-gluon-fp8)
               "fp8_kernel": os.environ.get("MLAFLEET_SPARSE_MLA_FP8_KERNEL", "").strip().lower() or "auto",
               # the 0.32.0 backend's fp8_ds_mla prefill workspace switch (bench/engine_gpu.sh prefill-ws)
@@ -122,7 +160,7 @@ def run(args: argparse.Namespace) -> None:
     # (every run is recorded, with a third prefill-only run after the 65-token runs, and the
     # kernels Triton compiled while the runs were timed).
     result["throughput"] = []
-    for batch in BATCHES:
+    for batch in () if args.correctness_only else BATCHES:
         def timed(n_out: int, seed: int) -> float:
             prompts = _prompts([THROUGHPUT_PROMPT] * batch, seed, vocab)
             params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True, detokenize=False)
@@ -355,6 +393,7 @@ def _label(r: dict) -> str:
             + (f", prefill chunks of {r['chunk']} tokens" if r.get("chunk") else "")
             + (f", {r['fp8_kernel'].capitalize()} fp8 kernel forced" if r.get("fp8_kernel", "auto") != "auto" else "")
             + (", prefill workspace off" if r.get("prefill_workspace", "auto") == "off" else "")
+            + (", no DeepGEMM (VLLM_USE_DEEP_GEMM=0)" if not r.get("deep_gemm", True) else "")
             + (", compiled + CUDA graphs" if r.get("graphs") else ", eager"))
 
 
@@ -379,21 +418,13 @@ def _pair(ref: dict, run: dict) -> dict:
     return rows
 
 
-def compare(paths: list[str]) -> None:
-    runs = [json.load(open(p)) for p in paths]
-    print("| configuration | engine start s | batch | prefill tok/s | decode tok/s | output tok/s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for r in runs:
-        for t in r["throughput"]:
-            print(f"| {_label(r)} | {r['engine_start_s']} | {t['batch']} | {t['prefill_tok_s']} | "
-                  f"{t['decode_tok_s']} | {t['output_tok_s']} |")
-    print()
-    print("| reference | compared | prompt len | greedy tokens equal | first divergence | "
-          "ref top-2 margin there | prompt logprob max / mean abs diff | generated logprob max abs diff |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    # references: vLLM's own path at the default prefill chunking; a reference run with other
-    # chunking (--chunk) is compared with it too: the size of differences vLLM has with itself.
-    # A run with the prefill workspace off is the reference of the same configuration with it on.
+def _pairs(runs: list[dict]):
+    """(reference, run) for every run and each reference of its configuration.
+
+    References: vLLM's own path at the default prefill chunking; a reference run with other
+    chunking (--chunk) is compared with it too: the size of differences vLLM has with itself.
+    A run with the prefill workspace off is the reference of the same configuration with it on.
+    """
     refs = [r for r in runs if r["backend"] in ("FLASHMLA_SPARSE", "auto") and r["indexer"] == "deepgemm"
             and not r.get("chunk")] + [r for r in runs if r.get("prefill_workspace") == "off"]
     for run in runs:
@@ -406,21 +437,69 @@ def compare(paths: list[str]) -> None:
                     run[k] == ref[k] for k in ("backend", "indexer"))
             if run is ref or not same:
                 continue
-            for row in _pair(ref, run):
-                margin = row.get("ref_top2_margin_at_divergence")
-                gen = row["gen_lp_max_diff"]
-                print(f"| {_label(ref)} | {_label(run)} | {row['prompt_len']} | {row['equal']}/{row['of']} | "
-                      f"{'-' if row['first_divergence'] is None else row['first_divergence']} | "
-                      f"{'-' if margin is None else f'{margin:.4f}'} | "
-                      f"{row['prompt_lp_max_diff']:.4f} / {row['prompt_lp_mean_diff']:.5f} | "
-                      f"{'-' if gen is None else f'{gen:.4f}'} |")
+            yield ref, run
+
+
+def compare(paths: list[str]) -> None:
+    runs = [json.load(open(p)) for p in paths]
+    print("| configuration | engine start s | batch | prefill tok/s | decode tok/s | output tok/s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in runs:
+        for t in r["throughput"]:
+            print(f"| {_label(r)} | {r['engine_start_s']} | {t['batch']} | {t['prefill_tok_s']} | "
+                  f"{t['decode_tok_s']} | {t['output_tok_s']} |")
+    print()
+    print("| reference | compared | prompt len | greedy tokens equal | first divergence | "
+          "ref top-2 margin there | prompt logprob max / mean abs diff | generated logprob max abs diff |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for ref, run in _pairs(runs):
+        for row in _pair(ref, run):
+            margin = row.get("ref_top2_margin_at_divergence")
+            gen = row["gen_lp_max_diff"]
+            print(f"| {_label(ref)} | {_label(run)} | {row['prompt_len']} | {row['equal']}/{row['of']} | "
+                  f"{'-' if row['first_divergence'] is None else row['first_divergence']} | "
+                  f"{'-' if margin is None else f'{margin:.4f}'} | "
+                  f"{row['prompt_lp_max_diff']:.4f} / {row['prompt_lp_mean_diff']:.5f} | "
+                  f"{'-' if gen is None else f'{gen:.4f}'} |")
     compare_profiles(runs, "decode")
     compare_profiles(runs, "prefill")
+
+
+def tokens(out: str, paths: list[str]) -> dict:
+    """Each run's greedy tokens beside its reference's (the pairs `compare` tabulates), written to
+    `out` as JSON: per pair and prompt both token lists, how many are equal at equal positions
+    and the first position where they differ (null: none)."""
+    runs = {p: json.load(open(p)) for p in paths}
+    names = {id(r): os.path.splitext(os.path.basename(p))[0] for p, r in runs.items()}
+    pairs = []
+    for ref, run in _pairs(list(runs.values())):
+        prompts = [{"prompt_len": row["prompt_len"], "reference_tokens": a["tokens"], "tokens": b["tokens"],
+                    "equal": row["equal"], "of": row["of"], "first_divergence": row["first_divergence"],
+                    "ref_top2_margin_at_divergence": row.get("ref_top2_margin_at_divergence")}
+                   for row, a, b in zip(_pair(ref, run), ref["requests"], run["requests"])]
+        pairs.append({"reference": names[id(ref)], "run": names[id(run)], "reference_label": _label(ref),
+                      "label": _label(run), "kv_cache_dtype": run["kv_cache_dtype"], "weights": run["weights"],
+                      "equal": sum(p["equal"] for p in prompts), "of": sum(p["of"] for p in prompts),
+                      "prompts": prompts})
+    summary = {"pairs": pairs, "runs": sorted(names.values())}
+    with open(out, "w") as handle:
+        json.dump(summary, handle, indent=1)
+    for pair in pairs:
+        firsts = [p["first_divergence"] for p in pair["prompts"]]
+        print(f"{pair['run']} vs {pair['reference']}: {pair['equal']}/{pair['of']} greedy tokens equal; "
+              f"first divergence per prompt ({', '.join(str(p['prompt_len']) for p in pair['prompts'])} tokens): "
+              f"{', '.join('-' if f is None else str(f) for f in firsts)}")
+    return summary
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "compare":
         compare(sys.argv[2:])
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "tokens":
+        if len(sys.argv) < 4:
+            raise SystemExit("usage: engine_e2e.py tokens OUT.json RUN.json...")
+        tokens(sys.argv[2], sys.argv[3:])
         return
     if len(sys.argv) > 1 and sys.argv[1] == "profile":
         if len(sys.argv) != 4:
@@ -442,6 +521,10 @@ def main() -> None:
     parser.add_argument("--graphs", action="store_true", help="vLLM's default compilation and CUDA graphs "
                         "instead of eager mode")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per batch and length (the fastest counts)")
+    parser.add_argument("--correctness-only", action="store_true",
+                        help="the greedy tokens and log-probabilities only, no throughput runs")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print what would be passed to vLLM (arguments, environment, model) and stop")
     parser.add_argument("--chunk", type=int, help="max_num_batched_tokens (prefill chunking; default vLLM's)")
     parser.add_argument("--profile", metavar="DIR", help="after the measurements, profile decode steps at batch "
                         f"--profile-batch with vLLM's torch profiler, traces in DIR")

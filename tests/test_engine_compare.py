@@ -241,3 +241,65 @@ def test_profiler_config_by_phase(e2e, tmp_path):
     assert (decode["delay_iterations"], decode["max_iterations"]) == (e2e.PROFILE_DELAY, e2e.PROFILE_STEPS)
     assert (prefill["delay_iterations"], prefill["max_iterations"]) == (0, e2e.PREFILL_PROFILE_STEPS)
     assert prefill["torch_profiler_dir"] == str(tmp_path)
+
+
+def test_weights_kind_names_a_block_fp8_snapshot(e2e):
+    fp8 = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    assert e2e.weights_kind(fp8, False) == "fp8-block safetensors"
+    assert e2e.weights_kind({}, False) == "safetensors"
+    assert e2e.weights_kind({"quantization_config": {"quant_method": "fp8"}}, False) == "safetensors"
+    assert e2e.weights_kind(fp8, True) == "gguf"
+
+
+def test_tokens_writes_both_runs_tokens_and_where_they_part(e2e, tmp_path):
+    """The fp8-block phase's JSON: ours against vLLM's own path per KV dtype, never across weights."""
+    ref, ours = _run(), _run("TRITON_MLA_SPARSE", "fallback")
+    ref_fp8, ours_fp8 = _run(kv="fp8_ds_mla"), _run("TRITON_MLA_SPARSE", "fallback", kv="fp8_ds_mla")
+    for run in (ref, ours, ref_fp8, ours_fp8):
+        run["weights"] = "fp8-block safetensors"
+    ours_fp8["requests"][0]["tokens"][5] = 1
+    nodg = dict(copy.deepcopy(ours), deep_gemm=False)
+    bf16 = _run("TRITON_MLA_SPARSE", "fallback")  # the bf16 checkpoint's run: no fp8-block reference
+    paths = _written(tmp_path, {"fp8-ref-auto": ref, "fp8-ours-auto": ours, "fp8-ref-fp8_ds_mla": ref_fp8,
+                                "fp8-ours-fp8_ds_mla": ours_fp8, "fp8-oursnodg-auto": nodg, "bf16-ours": bf16})
+    out = tmp_path / "tokens.json"
+    summary = e2e.tokens(str(out), paths)
+    assert json.loads(out.read_text()) == summary
+    pairs = {(p["run"], p["reference"]): p for p in summary["pairs"]}
+    assert sorted(pairs) == [("fp8-ours-auto", "fp8-ref-auto"), ("fp8-ours-fp8_ds_mla", "fp8-ref-fp8_ds_mla"),
+                             ("fp8-oursnodg-auto", "fp8-ref-auto")]
+    same = pairs[("fp8-ours-auto", "fp8-ref-auto")]
+    assert (same["equal"], same["of"]) == (16, 16) and same["weights"] == "fp8-block safetensors"
+    assert [p["first_divergence"] for p in same["prompts"]] == [None, None]
+    parted = pairs[("fp8-ours-fp8_ds_mla", "fp8-ref-fp8_ds_mla")]
+    assert (parted["equal"], parted["prompts"][0]["first_divergence"]) == (15, 5)
+    assert parted["prompts"][0]["tokens"][5] == 1 and parted["prompts"][0]["reference_tokens"][5] == 105
+    assert parted["prompts"][0]["prompt_len"] == 3000
+    assert "no DeepGEMM (VLLM_USE_DEEP_GEMM=0)" in pairs[("fp8-oursnodg-auto", "fp8-ref-auto")]["label"]
+    assert "fp8-block safetensors" in parted["label"] and "fp8_ds_mla" in parted["reference_label"]
+
+
+def test_a_dry_run_parses_the_arguments_and_reads_the_model_without_vllm(tmp_path):
+    import subprocess
+    import sys
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 2048, "index_topk": 2048, "num_attention_heads": 64,
+                                                   "quantization_config": {"quant_method": "fp8",
+                                                                           "weight_block_size": [128, 128]}}))
+    done = subprocess.run([sys.executable, str(SCRIPT), "run", str(tmp_path / "r.json"), "--model", str(model),
+                           "--backend", "TRITON_MLA_SPARSE", "--indexer", "fallback", "--kv", "fp8_ds_mla",
+                           "--correctness-only", "--dry-run"], capture_output=True, text=True, check=False,
+                          env={"PATH": "/usr/bin:/bin"})  # no PYTHONPATH: neither vLLM nor the repository needed
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert plan["weights"] == "fp8-block safetensors" and plan["throughput"] is False
+    assert plan["env"] == {"MLAFLEET_INDEXER_FALLBACK": "1", "MLAFLEET_INDEXER_TOPK": "triton"}
+    assert plan["llm"]["attention_config"] == {"backend": "TRITON_MLA_SPARSE"}
+    assert plan["llm"]["kv_cache_dtype"] == "fp8_ds_mla" and plan["llm"]["model"] == str(model)
+    assert max(plan["prompt_lengths"]) > plan["index_topk"]  # the indexer's selection drops tokens
+    assert not (tmp_path / "r.json").exists()
+    bad = subprocess.run([sys.executable, str(SCRIPT), "run", "x.json", "--model", str(model), "--backend", "NOPE",
+                          "--dry-run"], capture_output=True, text=True, check=False)
+    assert bad.returncode == 2 and "invalid choice: 'NOPE'" in bad.stderr
