@@ -115,6 +115,7 @@ def run(args: argparse.Namespace) -> None:
         print(json.dumps({"out": args.out, "weights": weights_kind(config, args.gguf), "env": _engine_env(args),
                           "llm": _llm_kwargs(args), "prompt_lengths": PROMPT_LENGTHS,
                           "greedy_tokens": GREEDY_TOKENS, "index_topk": config.get("index_topk"),
+                          "deep_gemm": os.environ.get("VLLM_USE_DEEP_GEMM", "").strip() != "0",
                           "throughput": not args.correctness_only}), flush=True)
         return
     for key, value in _engine_env(args).items():

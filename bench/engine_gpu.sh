@@ -51,13 +51,36 @@
 #                                          from its FIRST-th item on (default 1; a FIRST that is not a
 #                                          number picks the items whose id contains it), in SHARDS pytest
 #                                          processes side by side on the GPU (default 1; items dealt round robin)
+#   bench/engine_gpu.sh fp8-block OUT_DIR  ONE GPU, issue 42: the tiny GLM-5 written as a block-FP8
+#                                          safetensors snapshot (GLM-5-FP8's layout, write_tiny_glm5_fp8),
+#                                          its manifest built (mlafleet weights manifest), staged by the
+#                                          weights role into a lab-like layout (bench/engine_weights.yml,
+#                                          path source, connection local; if the role cannot run, the
+#                                          written directory is served and OUT_DIR/fp8-block-staging.json
+#                                          says so), then served eagerly, greedy tokens only, by ours
+#                                          (TRITON_MLA_SPARSE + DeepGEMM-free indexer) and vLLM's own
+#                                          (FLASHMLA_SPARSE + DeepGEMM), bf16 then fp8_ds_mla KV, and ours
+#                                          once more with no DeepGEMM at all (VLLM_USE_DEEP_GEMM=0: the
+#                                          FP8 GEMMs on CUTLASS, as SM120 has no DeepGEMM); resumable (a
+#                                          step starts only in the call's first 300 s). Writes
+#                                          OUT_DIR/fp8-block.md and OUT_DIR/fp8-block-tokens.json (each
+#                                          run's tokens beside the reference's, equal counts, first
+#                                          divergence). DRY_RUN=1: write and stage, then only print each
+#                                          run's plan (engine_e2e.py --dry-run); runs on a CPU machine with
+#                                          E2E_WORK, E2E_PYTHON and E2E_ANSIBLE_PLAYBOOK (below)
 #   (setup PARTS_DIR --no-models skips the tiny GLM-5, which only the engine phases need)
 #
 # Every run writes /tmp/e2e/results/<name>.json (bench/engine_e2e.py) and <name>.log; the phase
 # ends with OUT_DIR/<phase>.md (the comparison) and OUT_DIR/<phase>-results.tar.gz (all of it).
+# Overrides (for fp8-block's DRY_RUN on a CPU machine; the GPU run sets none): E2E_WORK (default
+# /tmp/e2e), E2E_PYTHON (the engine's Python, default the setup's venv), E2E_ANSIBLE_PLAYBOOK (an
+# ansible-playbook to run, default the bundle's), E2E_FP8_CONFIG (JSON merged into the tiny GLM-5's
+# config for the FP8 snapshot: a smaller model for a quick dry run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-work=/tmp/e2e venv=/tmp/e2e/venv models=/tmp/e2e/models results=/tmp/e2e/results
+work=${E2E_WORK:-/tmp/e2e}
+venv=$work/venv models=$work/models results=$work/results
+py=${E2E_PYTHON:-$venv/bin/python}
 # NVLink multicast stays off on the shared machines (device notes); vLLM's symmetric-memory
 # all-reduce is kept off with it.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
@@ -86,9 +109,7 @@ setup() {
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$work"/bundle/wheels/vllm/*.whl
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$work/ansible" "$work"/bundle/wheels/ansible/*.whl
   echo "== vllm_patch role on $venv"
-  LC_ALL=C.UTF-8 PYTHONPATH="$work/ansible" ANSIBLE_ROLES_PATH="$PWD/roles" ANSIBLE_LOCALHOST_WARNING=False \
-    ANSIBLE_NOCOLOR=1 python3 "$work/ansible/bin/ansible-playbook" -i localhost, bench/engine_patch.yml \
-    -e engine_venv="$venv" -e ansible_python_interpreter="$(command -v python3)" -v | tail -25
+  playbook bench/engine_patch.yml -e engine_venv="$venv" -v | tail -25
   "$venv/bin/python" -c "import vllm, torch, triton; from vllm.v1.attention.backends.registry import AttentionBackendEnum as E; print('vllm', vllm.__version__, 'torch', torch.__version__, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version(), E.TRITON_MLA_SPARSE.get_path())"
   mkdir -p "$work/vllm-tests" && xz -d -T0 < "$work/bundle/vllm-tests.tar.xz" | tar -C "$work/vllm-tests" -xf -
   [ "${2:-}" = --no-models ] && return
@@ -109,12 +130,28 @@ PY
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 }
 
-# one run: NAME GPUS ARGS... (GPUS: CUDA_VISIBLE_DEVICES)
+# a playbook of bench/ run on this machine (connection local): the bundle's ansible-core (or
+# E2E_ANSIBLE_PLAYBOOK), the repository's roles, modules on the machine's python3, the run report
+# (the mlafleet_report callback) under $work/reports
+playbook() {
+  local cmd=(python3 "$work/ansible/bin/ansible-playbook")
+  [ -z "${E2E_ANSIBLE_PLAYBOOK:-}" ] || cmd=("$E2E_ANSIBLE_PLAYBOOK")
+  LC_ALL=C.UTF-8 PYTHONPATH="$work/ansible" ANSIBLE_ROLES_PATH="$PWD/roles" ANSIBLE_LOCALHOST_WARNING=False \
+    ANSIBLE_NOCOLOR=1 MLAFLEET_REPORT_ROOT="$work/reports" "${cmd[@]}" -i localhost, "$@" \
+    -e ansible_python_interpreter="$(command -v python3)"
+}
+
+# one run: NAME GPUS ARGS... (GPUS: CUDA_VISIBLE_DEVICES); DRY_RUN=1: the run's plan only
 one() {
   local name=$1 gpus=$2; shift 2
+  if [ "${DRY_RUN:-}" = 1 ]; then
+    echo "== $name (GPU $gpus): dry run"
+    CUDA_VISIBLE_DEVICES=$gpus "$py" bench/engine_e2e.py run "$results/$name.json" "$@" --dry-run
+    return
+  fi
   local t0=$SECONDS log=${LOGS:-$results}/$name.log
   # with LOGS (a phase's OUT_DIR) the log is written there, so a call that is stopped still brings it back
-  CUDA_VISIBLE_DEVICES=$gpus timeout "${RUN_TIMEOUT:-420}" "$venv/bin/python" bench/engine_e2e.py run "$results/$name.json" "$@" \
+  CUDA_VISIBLE_DEVICES=$gpus timeout "${RUN_TIMEOUT:-420}" "$py" bench/engine_e2e.py run "$results/$name.json" "$@" \
     > "$log" 2>&1
   local rc=$?
   [ "$log" = "$results/$name.log" ] || cp "$log" "$results/"
@@ -150,7 +187,7 @@ finish() {
   local phase=$1 out=$2; shift 2
   local files=()
   for n in "$@"; do [ -f "$results/$n.json" ] && files+=("$results/$n.json"); done
-  "$venv/bin/python" bench/engine_e2e.py compare "${files[@]}" | tee "$out/$phase.md"
+  "$py" bench/engine_e2e.py compare "${files[@]}" | tee "$out/$phase.md"
   tar -C "$results" -czf "$out/$phase-results.tar.gz" .
 }
 
@@ -162,11 +199,52 @@ prefill_profiles() {
   done
 }
 
+# issue 42's snapshot: write it (once), build its manifest, stage it with the weights role into
+# $work/lab/opt/mlafleet/models (the lab hosts' weights_root layout); sets mfp8 to the directory the
+# engine loads and writes OUT_DIR/fp8-block-staging.json (how it got there)
+fp8_stage() {
+  local out=$1 origin=$models/tiny-glm5-fp8 root=$work/lab/opt/mlafleet/models t0=$SECONDS staged_by
+  mkdir -p "$models" "$results"
+  if [ ! -f "$origin/model.safetensors.index.json" ]; then
+    PYTHONPATH=$PWD "$py" - "$origin" "${E2E_FP8_CONFIG:-}" <<'PY' || return 1
+import json, sys, time
+from mlafleet.lab.tinymodel import load_config, write_tiny_glm5_fp8
+t = time.time()
+config = dict(load_config(), **json.loads(sys.argv[2] or "{}"))
+paths = write_tiny_glm5_fp8(sys.argv[1], shards=4, seed=0, config=config)
+print("== block-FP8 snapshot written in %.0f s: %d FP8 weights, %s" % (
+    time.time() - t, paths["fp8_weights"], ", ".join(p.name for p in paths["safetensors"])))
+PY
+  fi
+  PYTHONPATH=$PWD/collections:$PWD "$py" -m mlafleet.weights weights manifest "$origin" -q \
+    -o "$work/fp8-manifest.json" || return 1
+  mfp8=$root/tiny-glm5-fp8 staged_by="the weights role (bench/engine_weights.yml, path source)"
+  echo "== weights role: $origin -> $mfp8"
+  if ! playbook bench/engine_weights.yml -e engine_manifest="$work/fp8-manifest.json" -e engine_origin="$origin" \
+      -e engine_weights_root="$root" -e engine_owner="$(id -un)" -e engine_group="$(id -gn)" \
+      > "$out/fp8-block-staging.log" 2>&1; then
+    tail -20 "$out/fp8-block-staging.log"
+    mfp8=$origin staged_by="none: the weights role failed (fp8-block-staging.log), the written directory is served"
+  fi
+  grep -E "all [0-9]+ of [0-9]+ files verified|ok=[0-9]+" "$out/fp8-block-staging.log" | cut -c1-300
+  "$py" - "$out/fp8-block-staging.json" "$origin" "$mfp8" "$staged_by" "$work/fp8-manifest.json" \
+    $((SECONDS - t0)) <<'PY'
+import json, sys
+out, origin, served, staged_by, manifest, seconds = sys.argv[1:]
+m = json.load(open(manifest))
+json.dump({"written": origin, "served": served, "staged_by": staged_by, "seconds": int(seconds),
+           "manifest": {k: m.get(k) for k in ("model", "revision", "file_count", "safetensors_count", "total_size",
+                                              "tensor_count", "fp8_weights", "weight_block_size")}},
+          open(out, "w"), indent=1)
+print("== serving", served, "(staged by", staged_by + ")")
+PY
+}
+
 m=$models/tiny-glm5 m8=$models/tiny-glm5-8heads m8deep=$models/tiny-glm5-8heads-16layers
 ref="--backend FLASHMLA_SPARSE --indexer deepgemm" ours="--backend TRITON_MLA_SPARSE --indexer fallback"
 # a machine that was given back and started afresh has no /tmp/e2e: say so, not a later phase's error
-[ "${1:-}" = setup ] || [ -x "$venv/bin/python" ] || [ -z "${1:-}" ] ||
-  { echo "no setup on this machine ($venv is missing: the machine was started afresh?): carry the parts again and run: $0 setup PARTS_DIR" >&2; exit 3; }
+[ "${1:-}" = setup ] || [ -x "$py" ] || [ -z "${1:-}" ] ||
+  { echo "no setup on this machine ($py is missing: the machine was started afresh?): carry the parts again and run: $0 setup PARTS_DIR" >&2; exit 3; }
 # every phase's run logs go to its OUT_DIR as they are written (a stopped call still brings them back)
 [ "${1:-}" != setup ] && [ -d "${2:-}" ] && export LOGS=$2
 case ${1:-} in
@@ -335,6 +413,19 @@ PY
     one reftp2graphs-bf16 0,1 --model "$m" $ref --tp 2 --graphs
     one ourstp2graphs-bf16 0,1 --model "$m" $ours --tp 2 --graphs
     finish tp2-graphs "$2" reftp2graphs-bf16 ourstp2graphs-bf16 ;;
+  fp8-block)  # issue 42: the block-FP8 snapshot staged by the weights role, ours against vLLM's own; resumable
+    export RUN_TIMEOUT=300 LOGS="$2"
+    fp8_stage "$2" || { echo "== the block-FP8 snapshot could not be written"; exit 1; }
+    for kv in auto fp8_ds_mla; do
+      step "fp8-ours-$kv" --model "$mfp8" $ours --kv $kv --correctness-only
+      step "fp8-ref-$kv" --model "$mfp8" $ref --kv $kv --correctness-only
+    done
+    VLLM_USE_DEEP_GEMM=0 step fp8-oursnodg-auto --model "$mfp8" $ours --correctness-only
+    [ "${DRY_RUN:-}" = 1 ] && { echo "== dry run: no engine ran"; exit 0; }
+    names=(fp8-ref-auto fp8-ours-auto fp8-oursnodg-auto fp8-ref-fp8_ds_mla fp8-ours-fp8_ds_mla)
+    finish fp8-block "$2" "${names[@]}"
+    files=(); for n in "${names[@]}"; do [ -f "$results/$n.json" ] && files+=("$results/$n.json"); done
+    [ ${#files[@]} -lt 2 ] || "$py" bench/engine_e2e.py tokens "$2/fp8-block-tokens.json" "${files[@]}" ;;
   fp8-alias)  # `--kv-cache-dtype fp8` with TRITON_MLA_SPARSE (the patch set's mla-fp8-kv edit)
     one ours-fp8alias 0 --model "$m" $ours --kv fp8
     tar -C "$results" -czf "$2/fp8-alias-results.tar.gz" . ;;
@@ -344,5 +435,5 @@ PY
       one "${spec%%:*}" 0,1 --model $m --tp 2 ${spec#*:}
     done
     finish tp2 "$2" reftp2-bf16 reftp2-fp8 ourstp2-bf16 ourstp2-fp8 ;;
-  *) echo "usage: $0 setup PARTS_DIR [--no-models] | line|serve|single|heads8|heads8-profile|heads8-round|heads8-prefill|heads8-deep|heads8-host|heads8-graphs-fp8|heads8-graphs-bf16|heads8-graphs-fp8-mixed|prefill-ws|control|graphs|graphs-fp8|fp8-alias|tp2|tp2-graphs OUT_DIR | vllm-tests OUT_DIR [FIRST] [SHARDS]" >&2; exit 2 ;;
+  *) echo "usage: $0 setup PARTS_DIR [--no-models] | fp8-block|line|serve|single|heads8|heads8-profile|heads8-round|heads8-prefill|heads8-deep|heads8-host|heads8-graphs-fp8|heads8-graphs-bf16|heads8-graphs-fp8-mixed|prefill-ws|control|graphs|graphs-fp8|fp8-alias|tp2|tp2-graphs OUT_DIR | vllm-tests OUT_DIR [FIRST] [SHARDS]" >&2; exit 2 ;;
 esac
