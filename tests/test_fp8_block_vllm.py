@@ -117,8 +117,9 @@ def test_the_loaded_parameters_are_the_snapshots_tensors(loaded: dict) -> None:
                      torch.cat([s[f"{dense}.gate_proj.{suffix}"], s[f"{dense}.up_proj.{suffix}"]]))
         assert _same(_param(loaded, f"{dense}.down_proj.{suffix}"), s[f"{dense}.down_proj.{suffix}"])
         moe = "model.layers.1.mlp"
-        assert _same(_param(loaded, f"{moe}.shared_experts.gate_up_proj.{suffix}"),
-                     torch.cat([s[f"{moe}.shared_experts.gate_proj.{suffix}"], s[f"{moe}.shared_experts.up_proj.{suffix}"]]))
+        shared = f"{moe}.shared_experts"
+        assert _same(_param(loaded, f"{shared}.gate_up_proj.{suffix}"),
+                     torch.cat([s[f"{shared}.gate_proj.{suffix}"], s[f"{shared}.up_proj.{suffix}"]]))
         w13 = _param(loaded, f"{moe}.experts.routed_experts.w13_{suffix}")
         w2 = _param(loaded, f"{moe}.experts.routed_experts.w2_{suffix}")
         for e in range(cfg["n_routed_experts"]):

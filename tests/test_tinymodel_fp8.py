@@ -75,7 +75,8 @@ def test_the_index_covers_every_tensor_in_its_file(small: dict) -> None:
     read = _read(fp8["safetensors"])
     assert index["weight_map"] == {name: info["file"] for name, info in read.items()}
     assert list(index["weight_map"]) == sorted(index["weight_map"])
-    assert index["metadata"]["total_size"] == sum(i["tensor"].numel() * i["tensor"].element_size() for i in read.values())
+    tensor_bytes = sum(i["tensor"].numel() * i["tensor"].element_size() for i in read.values())
+    assert index["metadata"]["total_size"] == tensor_bytes
     assert len({i["file"] for i in read.values()}) == 3
     for name, info in read.items():  # each scale lies in its weight's file
         if name.endswith("_scale_inv"):
@@ -111,7 +112,8 @@ def test_dequantized_weights_match_the_bf16_writer_within_e4m3_error(small: dict
         w = reference.to(torch.float32)
         deq = dequantize_fp8_block(q, scale)
         full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
-        # e4m3: 3 mantissa bits (rounding error <= 2^-4 of the value), subnormal steps of 2^-9 (error <= 2^-10), per scale
+        # e4m3: 3 mantissa bits (rounding error <= 2^-4 of the value), subnormal steps of 2^-9
+        # (error <= 2^-10), in units of the block's scale
         bound = torch.maximum(w.abs() * 2.0**-4, full * 2.0**-10) * (1 + 1e-6) + 1e-12
         assert bool(((deq - w).abs() <= bound).all()), name
         assert (deq - w).norm() / w.norm() < 0.04, name
@@ -179,7 +181,8 @@ def test_the_repository_checks_accept_it_and_refuse_it_without_a_scale(small: di
 
     stale = _copy(small["fp8"], tmp_path / "stale-index")
     _drop(stale, scale, from_index=False)  # the index still lists it, the file does not hold it
-    with pytest.raises(check.CheckError, match=f"the index assigns tensor '{scale}' to it, its header does not hold it"):
+    with pytest.raises(check.CheckError,
+                       match=f"the index assigns tensor '{scale}' to it, its header does not hold it"):
         check.check_snapshot(str(stale), names)
 
 
