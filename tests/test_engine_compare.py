@@ -303,3 +303,64 @@ def test_a_dry_run_parses_the_arguments_and_reads_the_model_without_vllm(tmp_pat
     bad = subprocess.run([sys.executable, str(SCRIPT), "run", "x.json", "--model", str(model), "--backend", "NOPE",
                           "--dry-run"], capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and "invalid choice: 'NOPE'" in bad.stderr
+
+
+FAKE_VLLM = '''
+import json, os
+from types import SimpleNamespace as NS
+
+class SamplingParams:
+    def __init__(self, **kw):
+        self.kw = kw
+
+class LLM:
+    def __init__(self, **kw):
+        self.kw = kw
+        with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
+            f.write(json.dumps({"llm": {k: str(v) for k, v in kw.items()},
+                                "fallback": os.environ.get("MLAFLEET_INDEXER_FALLBACK")}) + "\\n")
+
+    def generate(self, prompts, params, use_tqdm=False):
+        with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
+            f.write(json.dumps({"generate": len(prompts), "max_tokens": params.kw["max_tokens"]}) + "\\n")
+        outs = []
+        for p in prompts:
+            ids = p["prompt_token_ids"]
+            tokens = [(ids[-1] + i) % 2048 for i in range(params.kw["max_tokens"])]
+            lps = [{t: NS(logprob=-1.0, rank=1), t + 1: NS(logprob=-2.0, rank=2)} for t in tokens]
+            outs.append(NS(prompt_token_ids=ids, prompt_logprobs=[None] + [{i: NS(logprob=-3.0)} for i in ids[1:]],
+                           outputs=[NS(token_ids=tokens, logprobs=lps)]))
+        return outs
+'''
+
+
+def test_a_correctness_only_run_records_the_tokens_and_no_timings(tmp_path):
+    """engine_e2e.py run --correctness-only against a stand-in `vllm` module (LLM, SamplingParams,
+    TokensPrompt): one generate call of the 4 prompts, the run's JSON as fp8-block's `tokens` reads it."""
+    import subprocess
+    import sys
+
+    fake = tmp_path / "fake" / "vllm"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(FAKE_VLLM)
+    (fake / "inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n"
+                                    "    return {'prompt_token_ids': prompt_token_ids}\n")
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "vocab_size": 2048, "num_attention_heads": 64, "num_hidden_layers": 2,
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}))
+    log, out = tmp_path / "vllm.log", tmp_path / "run.json"
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(fake.parent), "FAKE_VLLM_LOG": str(log),
+           "VLLM_USE_DEEP_GEMM": "0"}
+    done = subprocess.run([sys.executable, str(SCRIPT), "run", str(out), "--model", str(model), "--backend",
+                           "TRITON_MLA_SPARSE", "--indexer", "fallback", "--correctness-only"],
+                          capture_output=True, text=True, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls[0]["fallback"] == "1" and calls[0]["llm"]["attention_config"] == "{'backend': 'TRITON_MLA_SPARSE'}"
+    assert calls[1:] == [{"generate": 4, "max_tokens": 32}]  # the greedy pass only: no timed batches
+    run = json.loads(out.read_text())
+    assert run["throughput"] == [] and run["weights"] == "fp8-block safetensors" and run["deep_gemm"] is False
+    assert [r["prompt_len"] for r in run["requests"]] == [3000, 2100, 700, 40]
+    assert all(len(r["tokens"]) == 32 and len(r["steps"]) == 32 for r in run["requests"])
