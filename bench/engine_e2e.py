@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> None:
               "topk": args.topk if args.indexer == "fallback" else "vllm", "weights": weights_kind(config, args.gguf),
               "tp": args.tp, "heads": config["num_attention_heads"], "layers": config["num_hidden_layers"],
               "chunk": args.chunk, "graphs": args.graphs, "engine_start_s": round(time.perf_counter() - start, 1),
-              # VLLM_USE_DEEP_GEMM=0: no DeepGEMM anywhere (block-FP8 GEMMs then run on CUTLASS/Triton, as on SM120)
+              # VLLM_USE_DEEP_GEMM=0: no DeepGEMM anywhere (block-FP8 GEMMs then on vLLM's next kernel: CUTLASS, Triton)
               "deep_gemm": os.environ.get("VLLM_USE_DEEP_GEMM", "").strip() != "0",
               # the sparse-MLA launcher's fp8_ds_mla kernel override (bench/engine_gpu.sh heads8-gluon-fp8)
               "fp8_kernel": os.environ.get("MLAFLEET_SPARSE_MLA_FP8_KERNEL", "").strip().lower() or "auto",

@@ -61,7 +61,7 @@
 #                                          (TRITON_MLA_SPARSE + DeepGEMM-free indexer) and vLLM's own
 #                                          (FLASHMLA_SPARSE + DeepGEMM), bf16 then fp8_ds_mla KV, and ours
 #                                          once more with no DeepGEMM at all (VLLM_USE_DEEP_GEMM=0: the
-#                                          FP8 GEMMs on CUTLASS, as SM120 has no DeepGEMM); resumable (a
+#                                          block-FP8 GEMMs on another kernel, CUTLASS on SM90); resumable (a
 #                                          step starts only in the call's first 300 s). Writes
 #                                          OUT_DIR/fp8-block.md and OUT_DIR/fp8-block-tokens.json (each
 #                                          run's tokens beside the reference's, equal counts, first
