@@ -11,6 +11,11 @@ from patchset_support import build_patchset
 
 REPO = Path(__file__).resolve().parent.parent
 
+# vLLM on the CPU compiles one thing even where a test asks for eager mode: the CPU sampler's random
+# sampling, through inductor and gcc, at each engine's warm-up (10-18 s of every engine start here).
+# No test proves anything about torch.compile; every vLLM the suite starts inherits this.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
 
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
