@@ -61,19 +61,19 @@ wheelhouse: setup
 # Controller-side installs of the lab releases (one per release line), for tests that run real vLLM
 # code on the CPU: exactly the lock's wheels from its wheelhouse (pip's own config and PIP_*
 # variables ignored, so no other wheel of the same version, e.g. a local torch+cpu, can slip in).
+# Each is built once into the cache (~/.cache/mlafleet/venvs, named by what it holds) and linked
+# here, as the wheelhouses are cached: a clean clone links them (scripts/cached-venv).
 define lab-venv
 	$(BIN)/mlafleet wheelhouse $(1)
-	rm -rf $(2) && $(PYTHON) -m venv $(2)
-	PIP_CONFIG_FILE=/dev/null $(PHASE) "vllm venv $(1)" $(2)/bin/pip --isolated install -q --no-index --no-deps --find-links "$$($(BIN)/python -c 'from mlafleet.ops.wheelhouse import wheelhouse_dir; print(wheelhouse_dir("$(1)"))')" -r requirements/releases/$(1).txt
+	PYTHON=$(PYTHON) $(PHASE) "vllm venv $(1)" scripts/cached-venv $(2) \
+	  "$$($(BIN)/python -c 'from mlafleet.ops.wheelhouse import wheelhouse_dir; print(wheelhouse_dir("$(1)"))')" \
+	  requirements/releases/$(1).txt $(3)
 endef
 $(VLLM_VENV)/.mlafleet-complete: requirements/releases/$(LAB_RELEASE).txt
 	$(call lab-venv,$(LAB_RELEASE),$(VLLM_VENV))
-	touch $@
 # The 0.32.0 install also runs the kernel tests under its Triton (3.7.1): pytest, as the controller pins it.
 $(VLLM_VENV_032)/.mlafleet-complete: requirements/releases/$(LAB_LINES_RELEASE).txt requirements/controller.txt
-	$(call lab-venv,$(LAB_LINES_RELEASE),$(VLLM_VENV_032))
-	$(VLLM_VENV_032)/bin/pip install -q --no-deps $$(grep -E '^(pytest|pluggy|iniconfig)==' requirements/controller.txt)
-	touch $@
+	$(call lab-venv,$(LAB_LINES_RELEASE),$(VLLM_VENV_032),$$(grep -E '^(pytest|pluggy|iniconfig)==' requirements/controller.txt))
 vllm-venv: setup $(VLLM_VENV)/.mlafleet-complete $(VLLM_VENV_032)/.mlafleet-complete
 
 # The patch sets (vLLM 0.20.2; vLLM 0.32.0 with vllm-gguf-plugin 0.0.5), built from their pinned
