@@ -98,6 +98,11 @@ def _engine_env(args: argparse.Namespace) -> dict[str, str | None]:
     return env
 
 
+def _deep_gemm_warmup() -> str:
+    """vLLM's DeepGEMM warm-up at engine start (VLLM_DEEP_GEMM_WARMUP: skip, full, relax; relax when unset)."""
+    return os.environ.get("VLLM_DEEP_GEMM_WARMUP", "").strip() or "relax"
+
+
 def _llm_kwargs(args: argparse.Namespace) -> dict:
     """What the run passes to vllm.LLM."""
     model = sorted(glob.glob(os.path.join(args.model, "*-00001-of-*.gguf")))[0] if args.gguf else args.model
@@ -116,6 +121,7 @@ def run(args: argparse.Namespace) -> None:
                           "llm": _llm_kwargs(args), "prompt_lengths": PROMPT_LENGTHS,
                           "greedy_tokens": GREEDY_TOKENS, "index_topk": config.get("index_topk"),
                           "deep_gemm": os.environ.get("VLLM_USE_DEEP_GEMM", "").strip() != "0",
+                          "deep_gemm_warmup": _deep_gemm_warmup(),
                           "throughput": not args.correctness_only}), flush=True)
         return
     for key, value in _engine_env(args).items():
@@ -134,6 +140,7 @@ def run(args: argparse.Namespace) -> None:
               "chunk": args.chunk, "graphs": args.graphs, "engine_start_s": round(time.perf_counter() - start, 1),
               # VLLM_USE_DEEP_GEMM=0: no DeepGEMM anywhere (block-FP8 GEMMs then on vLLM's next kernel: CUTLASS, Triton)
               "deep_gemm": os.environ.get("VLLM_USE_DEEP_GEMM", "").strip() != "0",
+              "deep_gemm_warmup": _deep_gemm_warmup(),
               # the sparse-MLA launcher's fp8_ds_mla kernel override (bench/engine_gpu.sh heads8-gluon-fp8)
               "fp8_kernel": os.environ.get("MLAFLEET_SPARSE_MLA_FP8_KERNEL", "").strip().lower() or "auto",
               # the 0.32.0 backend's fp8_ds_mla prefill workspace switch (bench/engine_gpu.sh prefill-ws)

@@ -62,7 +62,8 @@
 #                                          (FLASHMLA_SPARSE + DeepGEMM), bf16 then fp8_ds_mla KV, and ours
 #                                          once more with no DeepGEMM at all (VLLM_USE_DEEP_GEMM=0: the
 #                                          block-FP8 GEMMs on another kernel, CUTLASS on SM90); resumable (a
-#                                          step starts only in the call's first 300 s). Writes
+#                                          step starts only in the call's first 300 s; vLLM's DeepGEMM
+#                                          warm-up skipped: VLLM_DEEP_GEMM_WARMUP=skip unless set). Writes
 #                                          OUT_DIR/fp8-block.md and OUT_DIR/fp8-block-tokens.json (each
 #                                          run's tokens beside the reference's, equal counts, first
 #                                          divergence). DRY_RUN=1: write and stage, then only print each
@@ -419,6 +420,8 @@ PY
   fp8-block)  # issue 42: the block-FP8 snapshot staged by the weights role, ours against vLLM's own; resumable
     # a run may start until 300 s into the call: 280 s each keeps the call inside 600 s
     export RUN_TIMEOUT=280 LOGS="$2"
+    # vLLM's DeepGEMM warm-up JIT-compiles thousands of shapes on a fresh machine (3412, past a run's cap); skipped, only the shapes used compile
+    export VLLM_DEEP_GEMM_WARMUP=${VLLM_DEEP_GEMM_WARMUP:-skip}
     fp8_stage "$2" || { echo "== the block-FP8 snapshot could not be written"; exit 1; }
     for kv in auto fp8_ds_mla; do
       step "fp8-ours-$kv" --model "$mfp8" $ours --kv $kv --correctness-only

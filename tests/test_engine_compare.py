@@ -362,5 +362,6 @@ def test_a_correctness_only_run_records_the_tokens_and_no_timings(tmp_path):
     assert calls[1:] == [{"generate": 4, "max_tokens": 32}]  # the greedy pass only: no timed batches
     run = json.loads(out.read_text())
     assert run["throughput"] == [] and run["weights"] == "fp8-block safetensors" and run["deep_gemm"] is False
+    assert run["deep_gemm_warmup"] == "relax"  # vLLM's default, VLLM_DEEP_GEMM_WARMUP unset
     assert [r["prompt_len"] for r in run["requests"]] == [3000, 2100, 700, 40]
     assert all(len(r["tokens"]) == 32 and len(r["steps"]) == 32 for r in run["requests"])
