@@ -93,3 +93,12 @@ def test_the_plays_on_vllm_hosts_leave_the_doors_out():
     # an empty door group (an inventory that declares it for later) leaves nothing out
     assert fd.without_doors({"all": ["a"], "mlafleet_front_door": []}) == "all"
     assert fd.without_doors({"all": ["a", "lb"], "edge": ["lb"]}, "edge") == "all:!edge"
+
+
+def test_has_front_door_when_the_inventory_has_doors_or_the_operator_has_hooks() -> None:
+    assert not fd.has_front_door({"all": ["a"]})
+    assert not fd.has_front_door({"all": ["a"], "mlafleet_front_door": []}, "", {})
+    assert fd.has_front_door({"all": ["a", "door"], "mlafleet_front_door": ["door"]})
+    assert not fd.has_front_door({"all": ["a", "lb"], "edge": ["lb"]})  # a door group of another name...
+    assert fd.has_front_door({"all": ["a", "lb"], "edge": ["lb"]}, "edge")  # ...named by front_door_group
+    assert fd.has_front_door({"all": ["a"]}, "", {"drain": "/usr/local/bin/lb-drain {host}"})

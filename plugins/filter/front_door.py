@@ -33,6 +33,11 @@ without_doors(groups, door_group="") -> str
   no preflight, release, weights or server. Play patterns see extra vars but not group_vars: a
   door group of another name is passed as `-e front_door_group=NAME`.
 
+has_front_door(groups, door_group="", hooks=None) -> bool
+  Whether servers leave a door before they stop and go back in after (drain and ready): the
+  inventory has door hosts (the door group) or the operator's own door through controller-side
+  hooks (front_door_hooks). The vllm_server role's default, rollout.yml and rollback.yml ask it.
+
 front_door_requests_running(text) -> float
   vLLM's `vllm:num_requests_running` summed over its labels (engines, models), from a /metrics
   text parsed by prometheus_client's own parser; -1 when the text has no such series.
@@ -156,6 +161,11 @@ def without_doors(groups: Mapping[str, list[str]], door_group: str = "") -> str:
     return f"all:!{name}" if (groups or {}).get(name) else "all"
 
 
+def has_front_door(groups: Mapping[str, list[str]], door_group: str = "", hooks: Mapping[str, Any] | None = None) -> bool:
+    """Door hosts in the inventory or the operator's hooks (see the module doc)."""
+    return bool((groups or {}).get(door_group or DOOR_GROUP)) or bool(hooks)
+
+
 def front_door_requests_running(text: str) -> float:
     """vllm:num_requests_running summed over its labels; -1 when absent (see the module doc)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -169,4 +179,5 @@ class FilterModule:
     def filters(self) -> dict[str, Any]:
         return {"front_door_backends": front_door_backends, "front_door_batches": front_door_batches,
                 "front_door_min_serving": front_door_min_serving, "front_door_healthy": front_door_healthy,
-                "front_door_requests_running": front_door_requests_running, "without_doors": without_doors}
+                "front_door_requests_running": front_door_requests_running, "without_doors": without_doors,
+                "has_front_door": has_front_door}
