@@ -22,12 +22,10 @@ import torch
 
 model_dir, out_dir = sys.argv[1], sys.argv[2]
 
-from vllm.config import set_current_vllm_config  # noqa: E402
-from vllm.distributed import init_distributed_environment, initialize_model_parallel  # noqa: E402
+from single_rank import record_loaded_names, single_cpu_rank  # noqa: E402  (this directory)
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.model_executor.model_loader import base_loader, get_model_loader  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
-from vllm.v1.worker.workspace import init_workspace_manager  # noqa: E402
 
 type(current_platform).get_attn_backend_cls = classmethod(
     lambda cls, *a, **k: "vllm.v1.attention.backends.mla.triton_mla_sparse.TritonMLASparseBackend")
@@ -49,22 +47,8 @@ report["quant_config"] = {"class": type(vc.quant_config).__name__,
                           "activation_scheme": vc.quant_config.activation_scheme,
                           "ignored_layers": vc.quant_config.ignored_layers}
 loaded = {}
-original_load = GlmMoeDsaForCausalLM.load_weights
-
-
-def spy(self, weights):
-    names = original_load(self, weights)
-    loaded["names"] = sorted(names)
-    return names
-
-
-GlmMoeDsaForCausalLM.load_weights = spy
-with set_current_vllm_config(vc):
-    init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                 distributed_init_method="tcp://127.0.0.1:%d" % (29500 + os.getpid() % 1000),
-                                 backend="gloo")
-    initialize_model_parallel(1, 1)
-    init_workspace_manager(torch.device("cpu"))
+record_loaded_names(GlmMoeDsaForCausalLM, loaded)
+with single_cpu_rank(vc):
     loader = get_model_loader(vc.load_config)
     report["loader"] = f"{type(loader).__module__}.{type(loader).__qualname__}"
     model = loader.load_model(vc, vc.model_config)

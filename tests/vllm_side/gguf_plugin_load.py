@@ -22,13 +22,11 @@ model_dir, shard1, out_dir = sys.argv[1], sys.argv[2], sys.argv[3]
 
 from torch.nn.parameter import UninitializedParameter  # noqa: E402
 
-from vllm.config import set_current_vllm_config  # noqa: E402
-from vllm.distributed import init_distributed_environment, initialize_model_parallel  # noqa: E402
+from single_rank import record_loaded_names, single_cpu_rank  # noqa: E402  (this directory)
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.model_executor.model_loader import get_model_loader  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 from vllm.plugins import load_general_plugins  # noqa: E402
-from vllm.v1.worker.workspace import init_workspace_manager  # noqa: E402
 
 load_general_plugins()  # vllm-gguf-plugin registers itself through its entry point
 import vllm_gguf_plugin.loader as plugin_loader  # noqa: E402
@@ -48,22 +46,8 @@ report["quantization"] = vc.model_config.quantization
 report["load_format"] = str(vc.load_config.load_format)
 report["config"] = vc.model_config.hf_config.to_dict()
 loaded = {}
-original_load = GlmMoeDsaForCausalLM.load_weights
-
-
-def spy(self, weights):
-    names = original_load(self, weights)
-    loaded["names"] = sorted(names)
-    return names
-
-
-GlmMoeDsaForCausalLM.load_weights = spy
-with set_current_vllm_config(vc):
-    init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                 distributed_init_method="tcp://127.0.0.1:%d" % (29500 + os.getpid() % 1000),
-                                 backend="gloo")
-    initialize_model_parallel(1, 1)
-    init_workspace_manager(torch.device("cpu"))
+record_loaded_names(GlmMoeDsaForCausalLM, loaded)
+with single_cpu_rank(vc):
     loader = get_model_loader(vc.load_config)
     report["loader"] = f"{type(loader).__module__}.{type(loader).__qualname__}"
     model = loader.load_model(vc, vc.model_config)
