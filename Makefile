@@ -71,9 +71,10 @@ define lab-venv
 endef
 $(VLLM_VENV)/.mlafleet-complete: requirements/releases/$(LAB_RELEASE).txt
 	$(call lab-venv,$(LAB_RELEASE),$(VLLM_VENV))
-# The 0.32.0 install also runs the kernel tests under its Triton (3.7.1): pytest, as the controller pins it.
+# The 0.32.0 install also runs the kernel tests under its Triton (3.7.1): pytest and pytest-xdist,
+# as the controller pins them.
 $(VLLM_VENV_032)/.mlafleet-complete: requirements/releases/$(LAB_LINES_RELEASE).txt requirements/controller.txt
-	$(call lab-venv,$(LAB_LINES_RELEASE),$(VLLM_VENV_032),$$(grep -E '^(pytest|pluggy|iniconfig)==' requirements/controller.txt))
+	$(call lab-venv,$(LAB_LINES_RELEASE),$(VLLM_VENV_032),$$(grep -E '^(pytest|pluggy|iniconfig|pytest-xdist|execnet)==' requirements/controller.txt))
 vllm-venv: setup $(VLLM_VENV)/.mlafleet-complete $(VLLM_VENV_032)/.mlafleet-complete
 
 # The patch sets (vLLM 0.20.2; vLLM 0.32.0 with vllm-gguf-plugin 0.0.5), built from their pinned
@@ -133,12 +134,13 @@ sanity: setup
 # the Triton version: every kernel compiled for sm_120 by 3.7.1's compiler (fit, spills, grid
 # waits) and the decode and indexer kernels' correctness; the prefill paths and the benchmark's
 # dry run are interpreter-only (the same numpy semantics under both versions) and run once, under
-# 3.6.0 (issue 38: about 2 minutes of CI).
+# 3.6.0 (issue 38: about 2 minutes of CI). Those run on two workers, test by test (they share no
+# costly fixture): 59 s against 101 s on one (docs/performance.md).
 KERNELS_032 := $(addprefix tests/kernels/,test_sparse_mla_sm120.py test_indexer_sm120.py test_sm120_helper.py \
   test_gluon_fp8_probe.py test_sparse_mla.py test_indexer.py)
 pytest: setup test-prereqs vllm-venv patchset
 	TRITON_INTERPRET=1 $(PHASE) pytest $(BIN)/python -m pytest -q -n 2 --dist loadfile tests
-	TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR) $(PHASE) "kernel tests, Triton 3.7.1" $(VLLM_VENV_032)/bin/python -m pytest -q -p no:cacheprovider \
+	TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR) $(PHASE) "kernel tests, Triton 3.7.1" $(VLLM_VENV_032)/bin/python -m pytest -q -p no:cacheprovider -n 2 \
 	  $(KERNELS_032)
 
 molecule: setup test-prereqs patchset lab-images lab-release-image $(if $(filter lines,$(SCENARIOS)),lab-lines-image)
