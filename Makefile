@@ -72,8 +72,9 @@ endef
 $(VLLM_VENV)/.mlafleet-complete: requirements/releases/$(LAB_RELEASE).txt
 	$(call lab-venv,$(LAB_RELEASE),$(VLLM_VENV))
 # The 0.32.0 install also runs the kernel tests under its Triton (3.7.1): pytest and pytest-xdist,
-# as the controller pins them.
-$(VLLM_VENV_032)/.mlafleet-complete: requirements/releases/$(LAB_LINES_RELEASE).txt requirements/controller.txt
+# as the controller pins them. The pins' names are written below: a checkout whose Makefile changed
+# asks scripts/cached-venv again (a link when nothing changed).
+$(VLLM_VENV_032)/.mlafleet-complete: requirements/releases/$(LAB_LINES_RELEASE).txt requirements/controller.txt Makefile
 	$(call lab-venv,$(LAB_LINES_RELEASE),$(VLLM_VENV_032),$$(grep -E '^(pytest|pluggy|iniconfig|pytest-xdist|execnet)==' requirements/controller.txt))
 vllm-venv: setup $(VLLM_VENV)/.mlafleet-complete $(VLLM_VENV_032)/.mlafleet-complete
 
