@@ -27,14 +27,14 @@ from safetensors.torch import load_file
 
 from mlafleet.lab.tinymodel import load_config, write_tiny_glm5
 
+# what the vLLM-side load scripts share (the load_weights spy, one CPU rank)
+VLLM_SIDE_DIR = Path(__file__).resolve().parent / "vllm_side"
 VLLM_SIDE = r'''
 import json, os, sys, torch
 model_dir, shard1, out_path = sys.argv[1], sys.argv[2], sys.argv[3]
+from single_rank import record_loaded_names, single_cpu_rank  # tests/vllm_side, on PYTHONPATH
 from vllm.engine.arg_utils import EngineArgs
-from vllm.config import set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
 from vllm.platforms import current_platform
-from vllm.v1.worker.workspace import init_workspace_manager
 from vllm.model_executor.model_loader import gguf_loader
 from vllm.model_executor.model_loader.gguf_loader import GGUFModelLoader
 from vllm.model_executor.models.deepseek_v2 import GlmMoeDsaForCausalLM
@@ -59,18 +59,8 @@ other = with_path.create_model_config()
 report["config_from_path"] = other.hf_config.to_dict()
 report["architectures_from_path"] = other.architectures
 loaded = {}
-original_load = GlmMoeDsaForCausalLM.load_weights
-def spy(self, weights):
-    names = original_load(self, weights)
-    loaded["names"] = sorted(names)
-    return names
-GlmMoeDsaForCausalLM.load_weights = spy
-with set_current_vllm_config(vc):
-    init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                 distributed_init_method="tcp://127.0.0.1:%d" % (29500 + os.getpid() % 1000),
-                                 backend="gloo")
-    initialize_model_parallel(1, 1)
-    init_workspace_manager(torch.device("cpu"))
+record_loaded_names(GlmMoeDsaForCausalLM, loaded)
+with single_cpu_rank(vc):
     loader = GGUFModelLoader(vc.load_config)
     model = loader.load_model(vc, vc.model_config)
     report["unquantized_modules"] = sorted(set(vc.quant_config.unquantized_modules))
@@ -108,7 +98,7 @@ def vllm_run(tmp_path_factory: pytest.TempPathFactory, vllm_python: str, vllm_ov
     (work / "out" / "hf-config" / "config.json").write_text(json.dumps(dict(load_config(), max_position_embeddings=4096)))
     script = work / "vllm_side.py"
     script.write_text(VLLM_SIDE)
-    env = dict(os.environ, PYTHONPATH=str(vllm_overlay), HF_HUB_OFFLINE="1", VLLM_CACHE_ROOT=str(work / "cache"),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(vllm_overlay), str(VLLM_SIDE_DIR)]), HF_HUB_OFFLINE="1", VLLM_CACHE_ROOT=str(work / "cache"),
                TORCHINDUCTOR_CACHE_DIR=str(work / "cache"), XDG_CACHE_HOME=str(work / "cache"))
     result = subprocess.run([vllm_python, str(script), str(paths["dir"]), str(paths["gguf"][0]),
                              str(work / "out" / "report.json")], capture_output=True, text=True, env=env,

@@ -1,6 +1,7 @@
 """What the vLLM-side load scripts share (run by a vLLM interpreter; imported from the script's own
-directory): the names GlmMoeDsaForCausalLM.load_weights reports, and one CPU rank (gloo) with the
-engine's config current, in which a loader builds and loads the model."""
+directory, or from PYTHONPATH by the script in tests/test_gguf_vllm.py): the names
+GlmMoeDsaForCausalLM.load_weights reports, and one CPU rank (gloo) with the engine's config current,
+in which a loader builds and loads the model."""
 
 import contextlib
 import os
