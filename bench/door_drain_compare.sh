@@ -17,7 +17,8 @@
 #   off: no drain at the door (vllm_server_front_door=false) and vLLM's own default,
 #        --shutdown-timeout 0 (a rollout sets it first, without load: the server that stops is
 #        the one that drains or not).
-# Prints each mode's load table and bench/door_numbers.py's drain spans; the files stay in
+# Prints bench/door_numbers.py's tables for each mode (drain spans and the load; loadgen's own in
+# reports/<prefix>-<mode>-load.txt); the files stay in
 # reports/<prefix>-{on,off}-*. docs/performance.md records the numbers.
 set -euo pipefail
 rate=${1:-0.5}
@@ -48,7 +49,6 @@ measure() {  # mode, extra -e JSON for the restart
   touch "$stop"
   wait "$lg" || true
   echo "== drain $mode: $extra"
-  cat "reports/$prefix-$mode-load.txt"
   $py bench/door_numbers.py "reports/$prefix-$mode" --load "$load" || true
 }
 
