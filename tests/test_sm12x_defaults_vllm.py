@@ -153,12 +153,24 @@ def test_preflight_lets_a_gb10_on_the_0_32_0_line_serve_without_nvcc(tmp_path: P
         assert "compiles its sparse-attention kernels with nvcc at run time" in got[name]["cause"], name
 
 
-def choices(line: Line, env_file: Path | str, tmp: Path) -> dict:
-    rc, report = run_vllm(line.python, [str(SELECTION), str(PROOF), str(env_file)], line.overlay, tmp,
+@pytest.fixture(scope="module")
+def selections(line: Line, envs: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict:  # noqa: F811
+    """vLLM's choices in this line's patched install, in one vLLM process, under four environment
+    files: none of the switch (switch-off), the switch alone (switch-on), and what the role rendered
+    for a GB10 host and an RTX PRO 6000 host (gb10, rtx)."""
+    tmp = tmp_path_factory.mktemp(f"sm12x-{line.version}")
+    texts = {"switch-off": "HF_HUB_OFFLINE=1\n", "switch-on": "MLAFLEET_TRITON_SPARSE_MLA=1\n",
+             "gb10": envs["gb10"], "rtx": envs["rtx"]}
+    args = []
+    for name, text in texts.items():
+        (tmp / f"{name}.env").write_text(text)
+        args.append(f"{name}={tmp / f'{name}.env'}")
+    rc, report = run_vllm(line.python, [str(SELECTION), str(PROOF), *args], line.overlay, tmp,
                           marker="sm12x-selection:")
     assert rc == 0 and report["vllm_version"] == line.version
     assert report["vllm_path"] == [str(line.overlay / "vllm")]  # the patched tree was imported
-    return report
+    assert sorted(report["runs"]) == sorted(texts)
+    return report["runs"]
 
 
 def expected(version: str, capability: str, kv: str, switch: bool) -> dict:
@@ -171,10 +183,8 @@ def expected(version: str, capability: str, kv: str, switch: bool) -> dict:
 
 
 @pytest.mark.parametrize("switch", [False, True], ids=["switch-off", "switch-on"])
-def test_vllms_choice_on_12_0_and_12_1_per_line(line: Line, switch: bool, tmp_path: Path) -> None:  # noqa: F811
-    env_file = tmp_path / "vllm.env"
-    env_file.write_text("MLAFLEET_TRITON_SPARSE_MLA=1\n" if switch else "HF_HUB_OFFLINE=1\n")
-    report = choices(line, env_file, tmp_path)
+def test_vllms_choice_on_12_0_and_12_1_per_line(line: Line, selections: dict, switch: bool) -> None:  # noqa: F811
+    report = selections["switch-on" if switch else "switch-off"]
     assert report["switch"] == ("1" if switch else None)
     for capability in ("12.0", "12.1"):
         for kv in ("bfloat16", "fp8_ds_mla"):
@@ -190,14 +200,11 @@ def test_vllms_choice_on_12_0_and_12_1_per_line(line: Line, switch: bool, tmp_pa
 
 
 @pytest.mark.parametrize("host,capability", [("gb10", "12.1"), ("rtx", "12.0")])
-def test_the_defaults_end_to_end(line: Line, envs: dict[str, str], host: str, capability: str,  # noqa: F811
-                                 tmp_path: Path) -> None:
+def test_the_defaults_end_to_end(line: Line, selections: dict, host: str, capability: str) -> None:  # noqa: F811
     """The role's default environment for the host, then vLLM's own choice under it: on 12.1
     TRITON_MLA_SPARSE and mlafleet's indexer for every KV dtype, on both lines; on 12.0 today's
     choice (the 0.32.0 line keeps FlashInfer's backend first and DeepGEMM's indexer for fp8)."""
-    env_file = tmp_path / f"{host}.env"
-    env_file.write_text(envs[host])
-    report = choices(line, env_file, tmp_path)
+    report = selections[host]
     switch = report["switch"] == "1"
     assert switch == (host == "gb10")
     for kv in ("bfloat16", "fp8_ds_mla"):
