@@ -203,6 +203,25 @@ def test_a_group_head_drains_within_its_stop_timeout_and_a_worker_keeps_its_own(
     assert "--shutdown-timeout" not in rendered["pro-02"]["vllm-serve.sh"]
 
 
+def test_a_rollback_writes_the_unit_of_the_state_it_restores(rendered, tmp_path: Path):
+    """A rollback gathers no preflight facts: the unit follows the restored state's own server.json.
+    A worker rolled back keeps a member's unit (no restart of its own; found by molecule/lines step 8,
+    where the group's units written as a single host's made the re-run after a rollback restart the
+    group), and a host whose facts say member today but that restores a single host's state gets a
+    single host's unit."""
+    worker_case = {"vllm_server_release_id": "0.20.2-abcdef0123", "vllm_server_host": "0.0.0.0",
+                   "vllm_server_api_key": "k-0123456789", "vllm_server_args": ["--max-model-len=65536"]}
+    got = render(tmp_path, {
+        "pro-02": {**worker_case, "vllm_server_restored": {**json.loads(rendered["pro-02"]["server.json"]),
+                                                            "api_key": "k-0123456789"}},
+        "plain": {**SINGLE["plain"], "preflight_serving_member": member(1),
+                  "vllm_server_restored": {**json.loads(rendered["plain"]["server.json"]), "api_key": ""}},
+    }, files=("vllm.service.j2",))
+    assert got["pro-02"]["vllm.service"] == rendered["pro-02"]["vllm.service"]
+    assert unit_of(got["pro-02"]["vllm.service"])["Service"]["Restart"] == "no"
+    assert got["plain"]["vllm.service"] == rendered["plain"]["vllm.service"]
+
+
 def test_client_settings_name_the_group_and_single_hosts_keep_theirs(rendered):
     assert json.loads(rendered["pro-02"]["server.json"]) == {
         "host": "127.0.0.1", "port": 8000, "served_model_name": "model",
