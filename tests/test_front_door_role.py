@@ -172,8 +172,9 @@ def test_drain_waits_for_the_running_stream_routes_around_it_and_ready_takes_it_
     done, _ = door.play("door", "config")
     assert done.returncode == 0, done.stdout[-3000:]
     door.start()
-    # a 6 s stream through the door: whichever server carries it is drained
-    first = threading.Thread(target=stream, args=(door.port, 60))
+    # a 12 s stream through the door: whichever server carries it is drained (long enough that the
+    # drain play, slower on a loaded machine, sets the door to drain while it still runs)
+    first = threading.Thread(target=stream, args=(door.port, 120))
     first.start()
     deadline = time.monotonic() + 5
     while door.b1.running + door.b2.running == 0 and time.monotonic() < deadline:
@@ -195,7 +196,7 @@ def test_drain_waits_for_the_running_stream_routes_around_it_and_ready_takes_it_
     first.join(10)
     assert drain["done"].returncode == 0, drain["done"].stdout[-3000:]
     result = drain["out"][busy.name]["drain"]
-    # it waited for the running stream (6 s from its start), and nothing runs now
+    # it waited for the running stream (12 s from its start), and nothing runs now
     assert result["idle"] is True and result["timed_out"] is False and result["running"] == 0
     assert float(result["seconds"]) >= 1.0 and time.monotonic() - started >= 4
     assert (door.tmp / "hooks.log").read_text() == f"before_drain 127.0.0.1 {busy.port}\n"

@@ -205,7 +205,7 @@ def test_a_group_head_drains_within_its_stop_timeout_and_a_worker_keeps_its_own(
 
 def test_a_rollback_writes_the_unit_of_the_state_it_restores(rendered, tmp_path: Path):
     """A rollback gathers no preflight facts: the unit follows the restored state's own server.json.
-    A worker rolled back keeps a member's unit (no restart of its own; found by molecule/lines step 8,
+    A worker rolled back keeps a member's unit (no restart of its own; found by molecule/lines step 9,
     where the group's units written as a single host's made the re-run after a rollback restart the
     group), and a host whose facts say member today but that restores a single host's state gets a
     single host's unit."""
