@@ -120,6 +120,10 @@ download "$out/bundle/wheels/vllm" "prometheus-fastapi-instrumentator==8.1.0" "d
   "opentelemetry-exporter-otlp-proto-http==1.45.2" "opentelemetry-proto==1.45.2" \
   "opentelemetry-semantic-conventions==0.66b2" "pycountry==26.2.16" "pydantic-extra-types==2.11.1" \
   "python-multipart==0.0.34" "referencing==0.37.0" "rpds-py==2026.9.1" "truststore==0.10.5" "websockets==17.4"
+# Ray as the 0.32.0 lock pins it, for serving groups launched on Ray (bench/gpu_group.sh); its
+# requirements (click, filelock, jsonschema, msgpack, packaging, protobuf, pyyaml, requests) are
+# the image's or above
+download "$out/bundle/wheels/vllm" "ray==2.60.0"
 fi
 sdist=$cache/dl/vllm-$version.tar.gz
 if [ ! -f "$sdist" ]; then  # pip cannot fetch an sdist without building it: take it from PyPI's simple index
