@@ -114,8 +114,10 @@ PY
     cp "$g/$1/releases/$id/server/vllm.env" "$out/$1.env"
   done
   # pip --target puts Ray's console script outside the venv: the one the Ray units run is this
-  [ -x "$venv/bin/ray" ] || printf '#!%s\nimport sys\nfrom ray.scripts.scripts import main\nsys.exit(main())\n' \
-    "$venv/bin/python" > "$venv/bin/ray" && chmod +x "$venv/bin/ray"
+  if [ ! -x "$venv/bin/ray" ] && "$venv/bin/python" -c 'import ray' 2>/dev/null; then
+    printf '#!%s\nimport sys\nfrom ray.scripts.scripts import main\nsys.exit(main())\n' "$venv/bin/python" > "$venv/bin/ray"
+    chmod +x "$venv/bin/ray"
+  fi
 }
 
 spec_of() { local s; for s in "${procs[@]}"; do [ "${s%% *}" = "$1" ] && echo "$s"; done; }
@@ -177,7 +179,7 @@ run_case() {
   echo '""' | "$PY" "$g/$head/smoke.py" > "$out/$case-smoke.json" 2> "$out/$case-smoke.err" || rc=1
   local backend
   backend=$(playbook --limit "$head" -e gpu_group_log="$out/$head.log" -e gpu_group_expected_backend="$expect" 2>&1 | tee "$out/$case-backend.log" |
-            grep -oE '"msg": ".*"' | head -1)
+            sed -n "s/^ *msg: '[^:]*: \(.*\)'\$/\1/p" | tail -1)
   grep -q 'failed=0' "$out/$case-backend.log" || rc=1
   "$PY" roles/perf_gate/files/mlafleet-perf-bench --base-url "$(url "$head")" --model tiny-glm5 \
     --workload '{"input_len": 512, "output_len": 128, "num_prompts": 32, "concurrency": 16, "warmup": 4, "seed": 0}' \

@@ -13,6 +13,7 @@ with a real selection.
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import urllib.request
@@ -23,8 +24,11 @@ WORDS = ("fleet host group rank worker head tensor pipeline kernel cache token s
 
 
 def prompts() -> list[str]:
+    """The fixed prompts; GROUP_TOKENS_WORDS ("60 700 2500" by default) sets the long ones' word counts
+    (the script's CPU check serves a model of 2048 positions)."""
     rng = random.Random(44)
-    return ["The capital of France is"] + [" ".join(rng.choice(WORDS) for _ in range(n)) for n in (60, 700, 2500)]
+    counts = [int(n) for n in os.environ.get("GROUP_TOKENS_WORDS", "60 700 2500").split()]
+    return ["The capital of France is"] + [" ".join(rng.choice(WORDS) for _ in range(n)) for n in counts]
 
 
 def complete(base_url: str, model: str, prompt: str) -> list:
