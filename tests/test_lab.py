@@ -37,46 +37,72 @@ def test_inventory_names_every_host_and_links_the_lab_vars(tmp_path: Path):
     assert group["vars"]["lab_checkout"] == str(lab.REPO)
 
 
-MODEL_SRC_PLAY = """
+MODEL_VARS_PLAY = """
 - hosts: all
   gather_facts: false
   tasks:
     - ansible.builtin.copy:
         dest: "{{ out }}"
-        content: "{{ vllm_server_model_src }}"
+        content: "{{ [weights_manifest, weights_source, weights_path, preflight_model_config_src] | to_json }}"
         mode: "0644"
       delegate_to: localhost
 """
 
 
-def test_the_lab_serves_the_model_of_its_own_checkout_wherever_the_roles_come_from(tmp_path: Path):
-    """vllm_server_model_src is the lab checkout's .lab/models/tiny-llama/ (from the inventory, or
-    molecule's project directory), not a path beside the roles (an installed collection has none);
-    with neither, the run stops naming what is missing."""
+def test_the_lab_stages_the_model_of_its_own_checkout_wherever_the_roles_come_from(tmp_path: Path):
+    """The lab's weights manifest and model config are the lab checkout's .lab/models/ (from the
+    inventory, or molecule's project directory), not a path beside the roles (an installed
+    collection has none); the bytes come from the checkout's model directory mounted on each
+    host (weights_source path); with no checkout known, the run stops naming what is missing."""
     path = tmp_path / "inv" / "hosts.yml"
     lab.write_inventory_file(path, [lab.Host("lab1", "mlafleet-lab-1", 32001, "172.20.0.2")])
-    (tmp_path / "play.yml").write_text(MODEL_SRC_PLAY)
+    (tmp_path / "play.yml").write_text(MODEL_VARS_PLAY)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ANSIBLE_", "MOLECULE_"))}
     bin_dir = Path(sys.executable).parent
 
-    def model_src(inventory: Path, **extra_env: str) -> subprocess.CompletedProcess:
+    def model_vars(inventory: Path, **extra_env: str) -> subprocess.CompletedProcess:
         return subprocess.run([str(bin_dir / "ansible-playbook"), "-i", str(inventory), str(tmp_path / "play.yml"),
-                               "-e", f"out={tmp_path / 'src.txt'}"], cwd=tmp_path, env={**env, **extra_env},
+                               "-e", f"out={tmp_path / 'vars.json'}"], cwd=tmp_path, env={**env, **extra_env},
                               capture_output=True, text=True, timeout=300, check=False)
 
-    done = model_src(path)
+    done = model_vars(path)
     assert done.returncode == 0, done.stdout[-3000:]
-    assert (tmp_path / "src.txt").read_text() == f"{lab.REPO}/.lab/models/tiny-llama/"
+    assert json.loads((tmp_path / "vars.json").read_text()) == [
+        f"{lab.REPO}/.lab/models/tiny-llama.manifest.json", "path", lab.MODEL_MOUNT,
+        f"{lab.REPO}/.lab/models/tiny-llama/config.json"]
     # a molecule scenario's inventory: no lab_checkout, the project directory in the environment
     bare = tmp_path / "molecule" / "hosts.yml"
     bare.parent.mkdir()
     bare.write_text("all:\n  hosts:\n    h1: {}\n")
     (bare.parent / "group_vars").symlink_to(lab.RECIPE_DIR / "group_vars")
-    done = model_src(bare, MOLECULE_PROJECT_DIRECTORY="/srv/clone")
+    done = model_vars(bare, MOLECULE_PROJECT_DIRECTORY="/srv/clone")
     assert done.returncode == 0, done.stdout[-3000:]
-    assert (tmp_path / "src.txt").read_text() == "/srv/clone/.lab/models/tiny-llama/"
-    done = model_src(bare)
+    assert json.loads((tmp_path / "vars.json").read_text())[0] == "/srv/clone/.lab/models/tiny-llama.manifest.json"
+    done = model_vars(bare)
     assert done.returncode != 0 and "lab_checkout is not set: `mlafleet lab up` writes it" in done.stdout, done.stdout
+
+
+def test_the_lab_model_is_written_with_its_weights_manifest(tmp_path: Path, monkeypatch):
+    """`mlafleet lab model` writes the snapshot and the manifest the weights role stages it by: every
+    file of the directory, with its size and sha256; a model written again gets a new manifest."""
+    import hashlib
+
+    monkeypatch.setattr(lab, "LAB_DIR", tmp_path)
+    out = lab.write_lab_model()
+    manifest = json.loads((tmp_path / "models" / "tiny-llama.manifest.json").read_text())
+    assert manifest["model"] == "tiny-llama" and manifest["format"] == "mlafleet-safetensors-manifest/1"
+    files = {f["name"]: f for f in manifest["files"]}
+    assert set(files) == {p.name for p in out.iterdir()}
+    body = (out / "model.safetensors").read_bytes()
+    assert files["model.safetensors"]["size"] == len(body)
+    assert files["model.safetensors"]["sha256"] == hashlib.sha256(body).hexdigest()
+    written = (tmp_path / "models" / "tiny-llama.manifest.json").stat().st_mtime_ns
+    lab.write_lab_model()  # nothing to do
+    assert (tmp_path / "models" / "tiny-llama.manifest.json").stat().st_mtime_ns == written
+    (out / "model.safetensors").unlink()
+    lab.write_lab_model()
+    again = tmp_path / "models" / "tiny-llama.manifest.json"
+    assert again.stat().st_mtime_ns != written and json.loads(again.read_text())["files"] == manifest["files"]
 
 
 def test_tiny_llama_is_deterministic_and_fits_cpu_attention(tmp_path: Path):
@@ -175,8 +201,8 @@ def test_a_lab_container_is_owned_by_the_checkout_it_was_made_for(tmp_path: Path
 def test_up_keeps_its_own_container_recreates_a_dead_checkouts_and_refuses_a_live_ones(tmp_path: Path):
     """Real containers (created, never started) labelled as `mlafleet lab up` labels them: this
     checkout's is kept; one of a checkout that was deleted goes (docker start of it fails on the
-    missing key file); one of a checkout that still exists is refused, naming it and the command
-    that frees it, and kept."""
+    missing key file), and so does one of this checkout's without the lab model's mount; one of a
+    checkout that still exists is refused, naming it and the command that frees it, and kept."""
     lab.ensure_docker()
     image = "mlafleet-test-owner:latest"
     _tiny_image(image, "owner", tmp_path)
@@ -184,15 +210,16 @@ def test_up_keeps_its_own_container_recreates_a_dead_checkouts_and_refuses_a_liv
     (live / ".lab" / "ssh").mkdir(parents=True)
     (live / ".lab" / "ssh" / "id_ed25519.pub").write_text("ssh-ed25519 AAAA test\n")
     names = {"ours": "mlafleet-ownertest-1", "dead": "mlafleet-ownertest-2", "live": "mlafleet-ownertest-3",
-             "old": "mlafleet-ownertest-4"}
-    owners = {"ours": lab.REPO, "dead": dead, "live": live}
+             "old": "mlafleet-ownertest-4", "unmounted": "mlafleet-ownertest-5"}
+    owners = {"ours": lab.REPO, "dead": dead, "live": live, "unmounted": lab.REPO}
     try:
-        for kind in ("ours", "dead", "live"):
+        for kind in ("ours", "dead", "live", "unmounted"):
             key = owners[kind] / ".lab" / "ssh" / "id_ed25519.pub"
+            model = [] if kind == "unmounted" else ["--mount", f"type=bind,source={tmp_path},target={lab.MODEL_MOUNT}"]
             lab.sh("docker", "create", "--name", names[kind], "--label", "mlafleet.lab=ownertest",
                    "--label", f"{lab.CHECKOUT_LABEL}={owners[kind]}", "--mount",
                    f"type=bind,source={key if key.exists() else '/etc/hostname'},target=/root/.ssh/authorized_keys",
-                   image, "/marker")
+                   *model, image, "/marker")
         # one made before the label existed, bound to the deleted clone's key: known by that mount
         lab.sh("docker", "create", "--name", names["old"], "--label", "mlafleet.lab=ownertest", "-v",
                f"{dead}/.lab/ssh/id_ed25519.pub:/root/.ssh/authorized_keys:ro", image, "/marker")
@@ -205,11 +232,12 @@ def test_up_keeps_its_own_container_recreates_a_dead_checkouts_and_refuses_a_liv
         assert "Nothing was started or removed" in message
         assert all(lab.container_exists(c) for c in names.values())
         # without it: this checkout's kept, the dead checkouts' removed, none missing
-        states = lab.claim([names["ours"], names["dead"], names["old"], "mlafleet-ownertest-none"])
+        # this checkout's without the lab model's mount (an older mlafleet's) goes too, to be made again
+        states = lab.claim([names["ours"], names["dead"], names["old"], names["unmounted"], "mlafleet-ownertest-none"])
         assert states == {names["ours"]: "stopped", names["dead"]: "missing", names["old"]: "missing",
-                          "mlafleet-ownertest-none": "missing"}
+                          names["unmounted"]: "missing", "mlafleet-ownertest-none": "missing"}
         assert lab.container_exists(names["ours"])
-        assert not lab.container_exists(names["dead"]) and not lab.container_exists(names["old"])
+        assert not any(lab.container_exists(names[k]) for k in ("dead", "old", "unmounted"))
         # down removes this checkout's lab, not the live checkout's container of the same lab name
         lab.down("ownertest", quiet=True)
         assert not lab.container_exists(names["ours"]) and lab.container_exists(names["live"])

@@ -75,10 +75,10 @@ def test_preflight_refuses_what_the_server_cannot_do_on_this_host(tmp_path: Path
     got = run_preflight(tmp_path, {
         # Refused: more GPUs than the host has, and heads the tensor parallel size cannot split.
         "tp3": {"vllm_server_args": ["--dtype=float32", "--tensor-parallel-size=3"],
-                "vllm_server_model_src": f"{model}/", "vllm_server_model": str(tmp_path / "absent")},
+                "preflight_model_config_src": f"{model}/config.json", "vllm_server_model": str(tmp_path / "absent")},
         # What fits passes; pipeline parallel counts GPUs too (config.json read on the host here).
         "fits": {"vllm_server_args": ["--tensor-parallel-size", "1"], "vllm_server_hf_config_path": str(on_host),
-                 "vllm_server_model_src": f"{model}/"},
+                 "preflight_model_config_src": f"{model}/config.json"},
         "pp2": {"vllm_server_args": ["-tp", "1", "-pp", "2"], "vllm_server_hf_config_path": str(on_host)},
         # Off loopback without an API key: refused, unless there is a key or the documented opt-out.
         "open": {"vllm_server_host": "0.0.0.0"},

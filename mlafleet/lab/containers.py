@@ -57,6 +57,11 @@ LAB_LINES = ("0.20.2", "0.32.0")
 # The checkout a lab container belongs to (its absolute path), and where it mounts its key.
 CHECKOUT_LABEL = "mlafleet.checkout"
 KEY_MOUNT = "/root/.ssh/authorized_keys"
+# The lab's model reaches its hosts as a real fleet's would through the weights role: a snapshot
+# on a shared filesystem (weights_source: path), here the checkout's .lab/models/tiny-llama mounted
+# read-only, staged by the role into /opt/mlafleet/models/tiny-llama against its manifest
+# (.lab/models/tiny-llama.manifest.json, written beside it by `mlafleet lab model`).
+MODEL_MOUNT = "/srv/mlafleet-lab-model"
 CONTAINER_OPTS = ["--tmpfs", "/run", "--tmpfs", "/run/lock", "--shm-size=1g",
                   "-v", "/sys/fs/cgroup:/sys/fs/cgroup:ro", "--stop-signal", "SIGRTMIN+3"]
 
@@ -260,12 +265,20 @@ def _install_into_image(image: str, tag: str, lines: tuple[str, ...], keep_curre
 
 
 def write_lab_model() -> Path:
-    """The tiny Llama the lab serves, written once into .lab/models/tiny-llama."""
+    """The tiny Llama the lab serves, written once into .lab/models/tiny-llama, and its weights
+    manifest beside it (tiny-llama.manifest.json, as `mlafleet weights manifest` builds it)."""
     from mlafleet.lab.labmodel import write_tiny_llama
+    from mlafleet.weights.snapshot import build_from_directory
 
     out = LAB_DIR / "models" / "tiny-llama"
+    manifest = out.parent / "tiny-llama.manifest.json"
     if not (out / "model.safetensors").exists():
+        manifest.unlink(missing_ok=True)
         write_tiny_llama(out)
+    if not manifest.exists():
+        tmp = manifest.with_suffix(".partial")
+        tmp.write_text(json.dumps(build_from_directory(out), indent=2) + "\n", encoding="utf-8")
+        tmp.replace(manifest)
     return out
 
 
@@ -332,11 +345,13 @@ def container_exists(container: str) -> bool:
 
 def claim(containers: list[str]) -> dict[str, str]:
     """Whether `up` may use each container: "running" or "stopped" (this checkout's), or "missing"
-    (none, or one of a checkout that no longer exists, removed here). Any that belongs to another
+    (none, one of a checkout that no longer exists, or this checkout's without the lab model's
+    mount, removed here). Any that belongs to another
     existing checkout (or names none) is refused first, before anything is removed or started,
     naming its checkout and the command that frees it (LabError)."""
     states: dict[str, str] = {}
     dead: list[tuple[str, Path]] = []
+    unmounted: list[str] = []  # this checkout's, made before the lab model's mount existed
     refused: list[str] = []
     for container in containers:
         found = sh("docker", "container", "inspect", container, check=False)
@@ -347,6 +362,9 @@ def claim(containers: list[str]) -> dict[str, str]:
         owner = container_owner(inspected)
         if owner is not None and owner.resolve() == REPO.resolve():
             states[container] = "running" if (inspected.get("State") or {}).get("Running") else "stopped"
+            if not any(m.get("Destination") == MODEL_MOUNT for m in inspected.get("Mounts") or []):
+                unmounted.append(container)
+                states[container] = "missing"
         elif owner is not None and not owner.exists():
             dead.append((container, owner))
             states[container] = "missing"
@@ -364,6 +382,10 @@ def claim(containers: list[str]) -> dict[str, str]:
                        + "; then run `mlafleet lab up` again. Nothing was started or removed.")
     for container, owner in dead:
         log(f"{container} belonged to {owner}, which no longer exists: removing it to start this checkout's")
+        sh("docker", "rm", "-f", container)
+    for container in unmounted:
+        log(f"{container} has no mount of the lab model ({MODEL_MOUNT}; made by an older mlafleet): "
+            f"removing it to start it again")
         sh("docker", "rm", "-f", container)
     return states
 
@@ -413,7 +435,7 @@ def up(count: int = 2, name: str = "lab", image: str = f"{BASE_IMAGE}:latest",
             log(f"starting {container} from {image}")
             sh("docker", "run", "-d", "--name", container, "--hostname", f"{name}{i}",
                "--network", network, *CONTAINER_OPTS, *ssh_publish_args(free_local_port()),
-               "-v", f"{key}.pub:{KEY_MOUNT}:ro",
+               "-v", f"{key}.pub:{KEY_MOUNT}:ro", "-v", f"{LAB_DIR / 'models' / 'tiny-llama'}:{MODEL_MOUNT}:ro",
                "--label", f"mlafleet.lab={name}", "--label", f"{CHECKOUT_LABEL}={REPO}", image)
         elif state == "stopped":
             sh("docker", "start", container)
