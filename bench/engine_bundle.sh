@@ -1,6 +1,6 @@
 #!/bin/bash
 # On the controller: pack what the end-to-end engine run needs on the GPU machine (H200 image:
-# Python 3.12, torch 2.11.0+cu130, no network) into parts of at most 60 MiB under
+# Python 3.12, torch 2.11.0+cu130, no network) into parts of at most 56 MiB under
 # .dev/e2e/pN (0.20.2) or .dev/e2e-0.32.0/pN (one device call carries at most 64 MiB, working
 # tree included). Nothing of it is committed.
 #
@@ -137,6 +137,6 @@ rm -rf "${out:?}/vllm-$version"
 python3 bench/hf_offline_config.py "$out/bundle/hf-home" >/dev/null
 download "$out/bundle/wheels/ansible" "ansible-core==2.19.14" "resolvelib>=0.5.3,<2" "cryptography==50.0.2" \
   "cffi>=2" pycparser
-(cd "$out" && tar -cf - bundle | split -b 60M -d - all.tar.part- && rm -rf bundle)
+(cd "$out" && tar -cf - bundle | split -b 56M -d - all.tar.part- && rm -rf bundle)
 for part in "$out"/all.tar.part-*; do d="$out/p$((10#${part##*-} + 1))"; mkdir -p "$d" && mv "$part" "$d/"; done
 du -sh "$out"/p*
