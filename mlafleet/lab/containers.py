@@ -346,9 +346,9 @@ def container_exists(container: str) -> bool:
 def claim(containers: list[str]) -> dict[str, str]:
     """Whether `up` may use each container: "running" or "stopped" (this checkout's), or "missing"
     (none, one of a checkout that no longer exists, or this checkout's without the lab model's
-    mount, removed here). Any that belongs to another
-    existing checkout (or names none) is refused first, before anything is removed or started,
-    naming its checkout and the command that frees it (LabError)."""
+    mount, removed here). Any that belongs to another existing checkout (or names none) is refused
+    first, before anything is removed or started, naming its checkout and the command that frees
+    it (LabError)."""
     states: dict[str, str] = {}
     dead: list[tuple[str, Path]] = []
     unmounted: list[str] = []  # this checkout's, made before the lab model's mount existed
