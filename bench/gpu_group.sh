@@ -150,10 +150,12 @@ stop() {
 
 url() { echo "http://127.0.0.1:$(spec_of "$1" | awk '{print $7}')"; }
 
+healthy() { "$PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' "$(url "$1")/health" 2>/dev/null; }
+
 # Wait for the head's /health while every member lives; echo the seconds it took.
 ready() {
   local head=$1 t0=$SECONDS; shift
-  until "$PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' "$(url "$head")/health" 2>/dev/null; do
+  until healthy "$head"; do
     local name
     for name in "$head" "$@"; do alive "$name" || { echo "died: $name" >&2; return 1; }; done
     [ $((SECONDS - t0)) -lt 600 ] || { echo "not ready in 600 s" >&2; return 1; }
@@ -220,8 +222,7 @@ PY
   echo "   killed $worker's process group at stream t+3 s"
   local health="" ended=""
   while [ $((SECONDS - t0)) -lt 120 ]; do
-    [ -n "$health" ] || "$PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' "$(url "$head")/health" 2>/dev/null ||
-      health=$((SECONDS - t0))
+    [ -n "$health" ] || healthy "$head" || health=$((SECONDS - t0))
     [ -n "$ended" ] || alive "$head" || ended=$((SECONDS - t0))
     [ -z "$health" ] || [ -z "$ended" ] || break
     sleep 1
