@@ -14,7 +14,7 @@ PATCHSET_VERSIONS := 0.20.2 0.32.0
 HOSTS ?= 2
 # `lines`: both release lines and a serving group (two lab hosts, one vLLM server) beside a single
 # host, a member killed mid-rollout, a rollback (molecule/lines; about 20 minutes).
-SCENARIOS ?= default weights patch gpu-stack rollout lines
+SCENARIOS ?= default roles rollout lines
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export MLAFLEET_VLLM_PYTHON := $(CURDIR)/$(VLLM_VENV)/bin/python

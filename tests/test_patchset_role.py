@@ -5,7 +5,7 @@ set touches (taken from the pinned wheels, with their METADATA: vLLM 0.20.2, or 
 with vllm-gguf-plugin 0.0.5), so the role's version probes, hash checks, backups, atomic
 writes, byte-compilation and restore run for real, for both distributions of the 0.32.0 set. The proof in
 vLLM's interpreter needs the whole of vLLM and runs in tests/test_patchset_vllm.py and in the
-molecule scenario `patch`; here it is off.
+molecule scenario `roles` (its patch part); here it is off.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The weights role: its fan-out plan, and real ansible-playbook runs on the controller itself.
 
-The two-host peer fan-out over SSH runs in the molecule scenario `weights`; here the role runs on
+The two-host peer fan-out over SSH runs in the molecule scenario `roles` (its weights part); here the role runs on
 localhost (connection local) with a path source and a hub source, which exercises its templates,
 its modules, check mode, idempotence and the hub token's absence from Ansible's output.
 """

@@ -1,4 +1,4 @@
-"""Build a STAND-IN of NVIDIA's CUDA apt repository for the lab (molecule scenario gpu-stack).
+"""Build a STAND-IN of NVIDIA's CUDA apt repository for the lab (molecule scenario roles, its gpu-stack part).
 
 Lab hosts have no GPU and no route to NVIDIA. This module builds a local, signed, flat apt
 repository laid out like NVIDIA's (``<root>/<distro>/x86_64/`` with ``Packages``, ``Release``,

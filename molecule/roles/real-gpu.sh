@@ -1,7 +1,7 @@
 #!/bin/bash
 # The gpu-stack roles' validation and verification on a real GPU host, read-only
 # (ansible-playbook -c local against localhost). From the repository root:
-#   molecule/gpu-stack/real-gpu.sh WHEEL_DIR
+#   molecule/roles/real-gpu.sh WHEEL_DIR
 # WHEEL_DIR holds ansible-core 2.19.14 and what the host's Python lacks of its requirements
 # (on the H200 image: resolvelib, cryptography, cffi, pycparser); pass "" when ansible-playbook exists.
 set -u
@@ -36,4 +36,4 @@ echo "== playbooks/gpu_stack_verify.yml (flavour $flavour, driver $ver, $count G
 run playbooks/gpu_stack_verify.yml -e nvidia_driver_flavour="$flavour"; echo "rc=$?"
 other=open; [ "$flavour" = open ] && other=proprietary
 echo "== validation with nvidia_driver_flavour=$other"
-run molecule/gpu-stack/validate-only.yml -e nvidia_driver_flavour="$other"; echo "rc=$?"
+run molecule/roles/validate-only.yml -e nvidia_driver_flavour="$other"; echo "rc=$?"
