@@ -15,8 +15,8 @@
 #                                     then the worker of a native TP 2 group killed under a stream
 #   bench/gpu_group.sh render OUT one|two    the files only, no GPU (what the controller checks)
 #
-# Every case: time to ready, greedy tokens of fixed prompts against the reference
-# (bench/group_tokens.py), the smoke test the smoke_test role renders, the role's check of the
+# Every case: time to ready, greedy tokens of fixed prompts against the reference (equal, or a near tie
+# at the first difference: bench/group_tokens.py), the smoke test the smoke_test role renders, the role's check of the
 # attention backend on the head's log, and output tokens/s with the perf gate's client. NVLink
 # multicast stays off (NCCL_NVLS_ENABLE=0 and the other switches, set in vllm_server_env as an
 # operator sets them). Results: OUT/gpu-group.md (the tables), OUT/*.json, OUT/*.log.

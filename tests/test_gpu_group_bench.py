@@ -84,3 +84,36 @@ def test_one_gpu_a_group_of_one_node_native_and_on_ray(tmp_path):
     assert {"--nnodes=1", "--node-rank=0", "--tensor-parallel-size=1"} <= set(native) and "--headless" not in native
     e = env(one["ray-0"]["env"])
     assert (e["MLAFLEET_RAY_NODES"], e["MLAFLEET_RAY_GPUS"]) == ("1", "1")
+
+
+def run_of(name: str, tokens: list[int], tops: list[dict[str, float]]) -> dict:
+    """A run as `group_tokens.py tokens` writes it: one prompt, token k's text is "t<id>"."""
+    return {"name": name, "prompt_words": [700], "tokens": [tokens],
+            "steps": [[{"text": f"t{t}", "top": top} for t, top in zip(tokens, tops, strict=True)]]}
+
+
+def test_the_token_comparison_passes_a_near_tie_and_fails_a_real_difference(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import group_tokens
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    steady = {"t1600": -0.10, "t261": -2.5}
+    # as on the H100: both runs rank 1600 and 261 first and second, 0.01 nats apart, and break it differently
+    ref = run_of("ref", [1600, 1600, 261, 261], [steady, steady, {"t261": -0.69, "t1600": -0.70}, {"t261": -0.1}])
+    tie = run_of("native", [1600, 1600, 1600, 261], [steady, steady, {"t1600": -0.69, "t261": -0.70}, {"t261": -0.1}])
+    far = run_of("far", [1600, 1600, 1600, 261], [steady, steady, {"t1600": -0.2, "t261": -1.9}, {"t261": -0.1}])
+    bare = {**far, "name": "bare", "steps": [[]]}  # a server that returned no logprobs
+    assert group_tokens.compare(ref, ref) == ["| ref | ref | 0 (700 words) | 4/4 | equal |"]
+    assert group_tokens.compare(ref, tie) == ["| native | ref | 0 (700 words) | 3/4 | near tie at step 2 (0.0100 nats), equal before it |"]
+    assert group_tokens.compare(ref, tie, tie=0.005)[0].endswith("| first differs at step 2 (0.0100 nats apart) |")
+    assert group_tokens.compare(ref, far)[0].endswith("| first differs at step 2 (1.7000 nats apart) |")
+    assert group_tokens.compare(ref, bare)[0].endswith("| first differs at step 2 |")
+    paths = []
+    for run in (ref, tie, far):
+        paths.append(tmp_path / f"{run['name']}.json")
+        paths[-1].write_text(__import__("json").dumps(run))
+    script = [sys.executable, str(REPO / "bench" / "group_tokens.py"), "compare"]
+    assert subprocess.run([*script, paths[0], paths[1]], capture_output=True, check=False).returncode == 0
+    done = subprocess.run([*script, *paths], capture_output=True, text=True, check=False)
+    assert done.returncode == 1 and "near tie at step 2" in done.stdout and "1.7000 nats apart" in done.stdout
