@@ -129,8 +129,9 @@ sanity: setup
 
 # pytest runs on three workers on CI's two cores, one test file each (pytest-xdist, --dist loadfile:
 # a file's fixtures stay in one process): a third worker fills the waits (polls, sleeps, a
-# server starting) and kept both cores 98% busy; 5054 passed in 640 s, against 790 s on two
-# workers on the same VM (docs/performance.md).
+# server starting). 5054 passed in 642 s alone (both cores 98% busy) and 600 s in a clean clone's
+# .ci/run; two workers took 790 s in the last session's clean clone on the same VM (not a
+# controlled comparison: docs/performance.md).
 # Kernel tests run on the CPU under Triton's interpreter: with the controller's Triton 3.6.0 (the
 # 0.20.2 line's) in the full suite, then once more with the 0.32.0 line's Triton 3.7.1 (its venv;
 # the vLLM-side kernel tests already run against both installs). Under 3.7.1 run what depends on
