@@ -5,6 +5,7 @@ for the two-GPU layout (two "nodes" on one host) and the one-GPU one (a group of
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -112,7 +113,7 @@ def test_the_token_comparison_passes_a_near_tie_and_fails_a_real_difference(tmp_
     paths = []
     for run in (ref, tie, far):
         paths.append(tmp_path / f"{run['name']}.json")
-        paths[-1].write_text(__import__("json").dumps(run))
+        paths[-1].write_text(json.dumps(run))
     script = [sys.executable, str(REPO / "bench" / "group_tokens.py"), "compare"]
     assert subprocess.run([*script, paths[0], paths[1]], capture_output=True, check=False).returncode == 0
     done = subprocess.run([*script, *paths], capture_output=True, text=True, check=False)
