@@ -81,3 +81,41 @@ def test_the_unit_runs_the_release_python_sandboxed(rendered: Path) -> None:
     exposure = re.search(r"Overall exposure level for mlafleet-vllm-watchdog.service: ([0-9.]+)", done.stdout)
     assert exposure, done.stdout[-2000:] + done.stderr[-2000:]
     assert float(exposure.group(1)) <= 2.5, done.stdout  # 2.2 when written; vllm.service rates 2.2 offline too
+
+
+INSTALL_PLAY = """\
+- name: The watchdog role's install, up to its first change
+  hosts: all
+  gather_facts: false
+  tasks:
+    - name: Install the watchdog
+      ansible.builtin.include_role:
+        name: "{{ role }}"
+"""
+
+
+@pytest.mark.parametrize("venv, expected", [
+    ("missing", "which does not exist: no current release"),
+    ("noprom", "which cannot import prometheus_client"),
+])
+def test_a_release_python_without_what_the_watchdog_needs_stops_before_any_change(
+        tmp_path: Path, venv: str, expected: str) -> None:
+    """One command checks the release's Python: a missing one and one without prometheus_client get
+    their own message, before the role creates or writes anything (vllm_watchdog_root points into
+    tmp_path: the directories the role would create next are not made)."""
+    root = tmp_path / "root"
+    if venv == "noprom":  # a Python that exists but cannot import prometheus_client (-I: no site-packages)
+        (root / "current/venv/bin").mkdir(parents=True)
+        (root / "current/venv/bin/python").write_text("#!/bin/sh\nexec python3 -I -S \"$@\"\n")
+        (root / "current/venv/bin/python").chmod(0o755)
+    (tmp_path / "play.yml").write_text(INSTALL_PLAY)
+    extra = {"role": str(ROLE), "ansible_python_interpreter": sys.executable, "vllm_watchdog_root": str(root),
+             "vllm_server_port": 8000, "vllm_server_served_model_name": "tiny-llama", "vllm_server_start_timeout": 600,
+             "vllm_watchdog_textfile_dir": str(tmp_path / "textfile")}
+    env = {**os.environ, "ANSIBLE_LOCAL_TEMP": str(tmp_path / ".ansible-tmp"), "ANSIBLE_NOCOLOR": "1"}
+    done = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "-c", "local",
+                           "-e", json.dumps(extra), str(tmp_path / "play.yml")],
+                          capture_output=True, text=True, env=env, check=False, timeout=300)
+    assert done.returncode == 2, done.stdout[-3000:]
+    assert expected in done.stdout, done.stdout[-3000:]
+    assert "changed=0" in done.stdout and not (tmp_path / "textfile").exists()
