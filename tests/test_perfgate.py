@@ -11,6 +11,7 @@ import importlib.machinery
 import importlib.util
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -323,3 +324,34 @@ def test_role_sets_then_enforces_the_baseline_beside_the_release(tmp_path):
     with serving(FakeVLLM()) as server:
         off = gate(server, "off", perf_gate_release="rel-b", perf_gate_enabled=False)
         assert off["rc"] == 0 and not server.completions and not (reports / "off" / "perf").exists()
+
+
+SKIP_PLAY = """\
+- name: The perf gate's skip entry point
+  hosts: all
+  gather_facts: false
+  tasks:
+    - name: Skip
+      ansible.builtin.include_role:
+        name: "{{ role }}"
+        tasks_from: skip
+      vars:
+        __perf_gate_skip_message: unchanged state, server not restarted
+"""
+
+
+def test_a_skipped_verdict_is_written_private_like_a_measured_one(tmp_path):
+    """The skip path writes reports/<run>/perf/<host>.json as the compare path does: a 0600 file in
+    a 0700 directory (docs/rollout.md), with the status and the reason."""
+    (tmp_path / "play.yml").write_text(SKIP_PLAY)
+    extra = {"role": str(REPO / "roles/perf_gate"), "ansible_python_interpreter": sys.executable,
+             "perf_gate_report_dir": str(tmp_path / "run"), "perf_gate_release": "rel-a"}
+    env = {**os.environ, "ANSIBLE_LOCAL_TEMP": str(tmp_path / ".ansible-tmp"), "ANSIBLE_NOCOLOR": "1"}
+    done = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "h1,", "-c", "local",
+                           "-e", json.dumps(extra), str(tmp_path / "play.yml")],
+                          capture_output=True, text=True, env=env, check=False, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:]
+    verdict = tmp_path / "run" / "perf" / "h1.json"
+    assert json.loads(verdict.read_text())["status"] == "skipped"
+    assert verdict.stat().st_mode & 0o777 == 0o600
+    assert verdict.parent.stat().st_mode & 0o777 == 0o700
