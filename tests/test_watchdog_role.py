@@ -9,14 +9,13 @@ molecule/default/tasks/watchdog.yml.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from play_support import run_local_play
 
 REPO = Path(__file__).resolve().parent.parent
 ROLE = REPO / "roles/vllm_watchdog"
@@ -47,14 +46,10 @@ PLAY = """\
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("watchdog-role")
-    (tmp / "play.yml").write_text(PLAY)
-    extra = {"role": str(ROLE), "out": str(tmp), "ansible_python_interpreter": sys.executable,
-             # what the rollout play has in scope for a lab host
-             "vllm_server_port": 8000, "vllm_server_served_model_name": "tiny-llama", "vllm_server_start_timeout": 600}
-    env = {**os.environ, "ANSIBLE_LOCAL_TEMP": str(tmp / ".ansible-tmp"), "ANSIBLE_NOCOLOR": "1"}
-    done = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "-c", "local",
-                           "-e", json.dumps(extra), str(tmp / "play.yml")],
-                          capture_output=True, text=True, env=env, check=False, timeout=300)
+    done = run_local_play(tmp, PLAY, {
+        "role": str(ROLE), "out": str(tmp),
+        # what the rollout play has in scope for a lab host
+        "vllm_server_port": 8000, "vllm_server_served_model_name": "tiny-llama", "vllm_server_start_timeout": 600})
     assert done.returncode == 0, done.stdout[-3000:]
     return tmp
 
@@ -108,14 +103,10 @@ def test_a_release_python_without_what_the_watchdog_needs_stops_before_any_chang
         (root / "current/venv/bin").mkdir(parents=True)
         (root / "current/venv/bin/python").write_text("#!/bin/sh\nexec python3 -I -S \"$@\"\n")
         (root / "current/venv/bin/python").chmod(0o755)
-    (tmp_path / "play.yml").write_text(INSTALL_PLAY)
-    extra = {"role": str(ROLE), "ansible_python_interpreter": sys.executable, "vllm_watchdog_root": str(root),
-             "vllm_server_port": 8000, "vllm_server_served_model_name": "tiny-llama", "vllm_server_start_timeout": 600,
-             "vllm_watchdog_textfile_dir": str(tmp_path / "textfile")}
-    env = {**os.environ, "ANSIBLE_LOCAL_TEMP": str(tmp_path / ".ansible-tmp"), "ANSIBLE_NOCOLOR": "1"}
-    done = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "-c", "local",
-                           "-e", json.dumps(extra), str(tmp_path / "play.yml")],
-                          capture_output=True, text=True, env=env, check=False, timeout=300)
+    done = run_local_play(tmp_path, INSTALL_PLAY, {
+        "role": str(ROLE), "vllm_watchdog_root": str(root), "vllm_server_port": 8000,
+        "vllm_server_served_model_name": "tiny-llama", "vllm_server_start_timeout": 600,
+        "vllm_watchdog_textfile_dir": str(tmp_path / "textfile")})
     assert done.returncode == 2, done.stdout[-3000:]
     assert expected in done.stdout, done.stdout[-3000:]
     assert "changed=0" in done.stdout and not (tmp_path / "textfile").exists()
