@@ -40,20 +40,10 @@ import time
 from pathlib import Path
 
 from ansible.plugins.callback import CallbackBase
-from ansible_collections.mlafleet.fleet.plugins.plugin_utils.report_dir import report_root
+from ansible_collections.mlafleet.fleet.plugins.plugin_utils.report_dir import report_root, write_private
 
 # Seconds between two saves of the timeline while the run lasts.
 SAVE_EVERY_S = 3.0
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write a report file 0600 (the run's report directory is 0700), atomically."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.write(text)
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
 
 
 class CallbackModule(CallbackBase):

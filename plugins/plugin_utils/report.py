@@ -24,6 +24,8 @@ from typing import Any
 
 from markupsafe import Markup, escape
 
+from .report_dir import write_private
+
 TEMPLATE = Path(__file__).resolve().parent / "templates" / "report.html.j2"
 STATUS_COLORS = {"ok": "#3a9a4a", "changed": "#2f6fba", "failed": "#c62828", "unreachable": "#7b1fa2",
                  "rollback": "#e07b00"}
@@ -373,12 +375,7 @@ def render(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     html = render_html(load(run_dir))
     out = run_dir / "index.html"
-    tmp = out.with_suffix(".html.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.write(html)
-    os.chmod(tmp, 0o600)
-    tmp.replace(out)
+    write_private(out, html)
     return out
 
 

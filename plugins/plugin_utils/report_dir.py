@@ -38,3 +38,24 @@ def report_dir(run: str, collection: Path = COLLECTION) -> Path:
     if not run or run in (".", "..") or "/" in run or "\0" in run:
         raise ValueError(f"a run id is one plain name (no '/', not empty, not '.' or '..'), not {run!r}")
     return report_root(collection) / run
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a report file 0600, atomically; each directory it creates for it is 0700."""
+    path = Path(path)
+    missing = []
+    folder = path.parent
+    while not folder.is_dir():
+        missing.append(folder)
+        folder = folder.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:  # another host's writer made it first
+            pass
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
