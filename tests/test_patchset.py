@@ -479,3 +479,23 @@ def test_the_real_032_set_refuses_an_upstream_triton_mla_sparse(tmp_path: Path, 
         assert ("vllm/v1/attention/backends/registry.py of vLLM 0.32.0 already has TRITON_MLA_SPARSE, which "
                 "backend-registry.yml edit 1 adds: upstream now ships its own") in str(err.value)
     assert not out.exists()
+
+
+def test_a_cached_wheel_is_hashed_once_until_it_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = b"a pinned wheel's bytes" * 1000
+    wheel = tmp_path / "demo-1.0-py3-none-any.whl"
+    wheel.write_bytes(data)
+    pinned = patchset.Wheel("demo", "1.0", wheel.name, hashlib.sha256(data).hexdigest())
+    assert patchset.fetch_wheel(pinned, tmp_path) == wheel
+    stamp = json.loads((tmp_path / (wheel.name + ".sha256")).read_text())
+    assert stamp["sha256"] == pinned.sha256 and stamp["size"] == len(data)
+
+    def never(_path: object) -> str:
+        raise AssertionError("hashed again")
+
+    monkeypatch.setattr(patchset, "sha256_file", never)
+    assert patchset.fetch_wheel(pinned, tmp_path) == wheel  # unchanged: the stamp answers
+    monkeypatch.undo()
+    wheel.write_bytes(data[:-1] + b"X")  # same size, new bytes and mtime: hashed again, refused
+    with pytest.raises(PatchsetError, match="differs from the pinned"):
+        patchset.fetch_wheel(pinned, tmp_path)

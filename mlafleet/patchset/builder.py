@@ -270,6 +270,26 @@ def default_cache_dir() -> Path:
     return cache_dir() / "dl"
 
 
+def cached_sha256(path: Path) -> str:
+    """sha256 of a cached wheel, hashed again only when its size or mtime changed since the last time
+    (kept beside it in <wheel>.sha256): a build that finds its wheels in place reads none of them whole."""
+    stamp = path.with_name(path.name + ".sha256")
+    st = path.stat()
+    key = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    try:
+        seen = json.loads(stamp.read_text())
+        if {k: seen.get(k) for k in key} == key and isinstance(seen.get("sha256"), str):
+            return seen["sha256"]
+    except (OSError, ValueError):
+        pass
+    digest = sha256_file(path)
+    try:
+        stamp.write_text(json.dumps({**key, "sha256": digest}) + "\n")
+    except OSError:
+        pass  # a read-only cache: hash every time
+    return digest
+
+
 def fetch_wheel(pinned: Wheel, cache_dir: Path | None = None) -> Path:
     """The pinned wheel from the cache, downloaded with pip once if absent; verified by sha256."""
     cache_dir = cache_dir or default_cache_dir()
@@ -291,7 +311,7 @@ def fetch_wheel(pinned: Wheel, cache_dir: Path | None = None) -> Path:
                 raise PatchsetError(f"downloaded {pinned.filename} has sha256 {sha256_file(fetched)}, "
                                     f"patchset.yml pins {pinned.sha256}")
             os.replace(fetched, wheel)
-    actual = sha256_file(wheel)
+    actual = cached_sha256(wheel)
     if actual != pinned.sha256:
         raise PatchsetError(f"{wheel}: sha256 {actual} differs from the pinned {pinned.sha256}; "
                             "remove it to download it again")
@@ -344,8 +364,10 @@ def compute(version: str, wheel: Path | None = None, patchsets_dir: Path = PATCH
         raise PatchsetError(f"wheels given for {sorted(unknown)}, which the patch set for vLLM {version} does not pin")
     paths = {}
     for pinned in spec.wheels:
-        path = given.get(pinned.distribution) or fetch_wheel(pinned)
-        if sha256_file(path) != pinned.sha256:
+        path = given.get(pinned.distribution)
+        if path is None:
+            path = fetch_wheel(pinned)  # verified there
+        elif sha256_file(path) != pinned.sha256:
             raise PatchsetError(f"{path} is not the pinned wheel {pinned.filename} ({pinned.sha256})")
         paths[pinned.distribution] = path
     by_target: dict[str, list[EditFile]] = {}
