@@ -150,3 +150,58 @@ def test_preflight_refuses_too_little_shared_memory_for_the_multiprocess_executo
     assert "(tensor x pipeline parallel 2) needs" in got["oldtp"]["cause"]
     for name in ("old", "fits"):
         assert got[name]["status"] == "ok", (name, got[name]["cause"])
+
+
+HOST_PLAY = """
+- hosts: all
+  gather_facts: true
+  environment:
+    PATH: "{{ stand_in_bin }}:{{ lookup('env', 'PATH') }}"
+  tasks:
+    - name: Read the host
+      ansible.builtin.include_role:
+        name: preflight
+        tasks_from: host
+    - name: Show the facts
+      ansible.builtin.copy:
+        dest: "{{ out }}"
+        mode: "0600"
+        content: >-
+          {{ {'free_gb': preflight_free_gb, 'secure_boot': preflight_secure_boot, 'shm_mib': preflight_shm_free_mib,
+              'nvcc': preflight_nvcc, 'installed': __preflight_release_installed} | to_json }}
+"""
+
+
+@pytest.mark.parametrize("sb_output, sb_rc, present, expected_sb", [
+    ("SecureBoot enabled", 0, True, "enabled"),
+    ("SecureBoot disabled", 0, False, "disabled"),
+    ("", 1, False, "unknown"),  # mokutil: EFI variables are not supported on this system
+])
+def test_one_read_gives_free_space_release_nvcc_shared_memory_and_secure_boot(
+        tmp_path: Path, sb_output: str, sb_rc: int, present: bool, expected_sb: str) -> None:
+    """roles/preflight/tasks/host.yml's one command, on this machine, with a STAND-IN mokutil."""
+    from play_support import run_local_play
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "mokutil").write_text(f"#!/bin/sh\n# STAND-IN mokutil (mlafleet test)\necho '{sb_output}'\n"
+                                     f"echo 'EFI variables are not supported' >&2\nexit {sb_rc}\n")
+    (bin_dir / "mokutil").chmod(0o755)
+    data, cuda = tmp_path / "data", tmp_path / "cuda"
+    if present:
+        (data / "releases" / "r1").mkdir(parents=True)
+        (data / "releases" / "r1" / "release.json").write_text("{}")
+        (cuda / "bin").mkdir(parents=True)
+        (cuda / "bin" / "nvcc").write_text("#!/bin/sh\n")
+        (cuda / "bin" / "nvcc").chmod(0o755)
+    out = tmp_path / "facts.json"
+    done = run_local_play(tmp_path, HOST_PLAY, {
+        "stand_in_bin": str(bin_dir), "out": str(out), "mlafleet_release_id": "r1",
+        "preflight_data_dir": str(data), "preflight_cuda_home": str(cuda),
+        "preflight_shm_path": str(tmp_path)})
+    assert done.returncode == 0, done.stdout[-3000:]
+    facts = json.loads(out.read_text())
+    # free space of the data directory's filesystem (or its nearest existing parent's, where absent)
+    assert float(facts["free_gb"]) > 0 and int(facts["shm_mib"]) > 0
+    assert facts["secure_boot"] == expected_sb
+    assert facts["nvcc"] is present and facts["installed"] is present
