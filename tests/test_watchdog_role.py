@@ -9,6 +9,7 @@ molecule/default/tasks/watchdog.yml.
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -40,6 +41,23 @@ PLAY = """\
       loop:
         - {src: vllm-watchdog.json.j2, dest: vllm-watchdog.json}
         - {src: mlafleet-vllm-watchdog.service.j2, dest: mlafleet-vllm-watchdog.service}
+    - name: Write them as the role does (lookups, one mlafleet_files run), and once more
+      mlafleet.fleet.mlafleet_files:
+        directories: [{path: "{{ out }}/by-role", mode: "0755"}]
+        files:
+          - {dest: "{{ out }}/by-role/program.py", mode: "0644",
+             content: "{{ lookup('ansible.builtin.file', role ~ '/files/mlafleet_vllm_watchdog.py', rstrip=false) }}"}
+          - {dest: "{{ out }}/by-role/vllm-watchdog.json", mode: "0644",
+             content: "{{ lookup('ansible.builtin.template', role ~ '/templates/vllm-watchdog.json.j2') }}"}
+          - {dest: "{{ out }}/by-role/mlafleet-vllm-watchdog.service", mode: "0644",
+             content: "{{ lookup('ansible.builtin.template', role ~ '/templates/mlafleet-vllm-watchdog.service.j2') }}"}
+      register: by_role
+      loop: [first, again]
+    - name: Keep what the module said
+      ansible.builtin.copy:
+        dest: "{{ out }}/by-role.json"
+        content: "{{ by_role.results | map(attribute='updated') | list | to_json }}"
+        mode: "0600"
 """
 
 
@@ -52,6 +70,20 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "vllm_server_port": 8000, "vllm_server_served_model_name": "tiny-llama", "vllm_server_start_timeout": 600})
     assert done.returncode == 0, done.stdout[-3000:]
     return tmp
+
+
+def test_the_role_writes_the_files_byte_for_byte_in_one_module_run_and_then_changes_nothing(rendered: Path) -> None:
+    """install.yml's mlafleet_files task (lookups rendered on the controller): the same bytes as the
+    template module's and the program's source, mode 0644; a second run changes nothing."""
+    by_role = rendered / "by-role"
+    assert (by_role / "program.py").read_bytes() == (ROLE / "files/mlafleet_vllm_watchdog.py").read_bytes()
+    for name in ("vllm-watchdog.json", "mlafleet-vllm-watchdog.service"):
+        assert (by_role / name).read_bytes() == (rendered / name).read_bytes(), name
+        assert (by_role / name).stat().st_mode & 0o777 == 0o644
+    first, again = json.loads((rendered / "by-role.json").read_text())
+    assert sorted(first) == sorted([str(by_role), *(str(by_role / n) for n in (
+        "program.py", "vllm-watchdog.json", "mlafleet-vllm-watchdog.service"))])
+    assert again == []
 
 
 def test_the_settings_file_is_what_the_program_reads(rendered: Path) -> None:
