@@ -19,6 +19,7 @@ PLAY = """\
         directories: [{path: "{{ out }}/a/b", mode: "0750"}]
         files:
           - {dest: "{{ out }}/a/b/one.txt", content: "{{ one }}", mode: "{{ mode }}"}
+        absent: ["{{ out }}/old.env"]
       register: done
     - name: Keep what it said
       ansible.builtin.copy:
@@ -34,12 +35,15 @@ def said(out: Path) -> dict:
 
 def test_it_writes_what_differs_sets_modes_and_reports_each_path(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    folder, one = out / "a" / "b", out / "a" / "b" / "one.txt"
+    folder, one, old = out / "a" / "b", out / "a" / "b" / "one.txt", out / "old.env"
+    out.mkdir()
+    old.write_text("A_KEY=left over\n")
     first = run_local_play(tmp_path, PLAY, {"out": str(out), "one": "first\n", "mode": "0640"})
     assert first.returncode == 0, first.stdout[-3000:]
     assert one.read_text() == "first\n" and one.stat().st_mode & 0o777 == 0o640
     assert folder.stat().st_mode & 0o777 == 0o750
-    assert said(out)["updated"] == [str(folder), str(one)]
+    assert not old.exists()
+    assert said(out)["updated"] == [str(folder), str(one), str(old)]
     # the mode alone differs: only the file is named
     again = run_local_play(tmp_path, PLAY, {"out": str(out), "one": "first\n", "mode": "0644"})
     assert again.returncode == 0 and said(out)["updated"] == [str(one)]

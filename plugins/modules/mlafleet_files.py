@@ -18,6 +18,7 @@ description:
   - Creates each of O(directories) that is missing and sets its owner, group and mode.
   - Writes each of O(files) whose content differs (atomically, a temporary file in the same
     directory renamed over it) and sets its owner, group and mode.
+  - Removes each of O(absent) that exists (a file or a symlink).
   - Changes nothing when everything already matches; in check mode reports what would change.
   - For contents that are not secret (they travel as module arguments).
 version_added: 0.3.0
@@ -44,6 +45,11 @@ options:
       owner: {type: str, description: Its owner.}
       group: {type: str, description: Its group.}
       mode: {type: raw, description: Its mode (an octal string such as V(0644)).}
+  absent:
+    type: list
+    elements: path
+    default: []
+    description: Files that must not exist (left-overs of earlier versions); a directory there is refused.
 attributes:
   check_mode:
     support: full
@@ -69,7 +75,7 @@ EXAMPLES = r"""
 
 RETURN = r"""
 updated:
-  description: The directories and files that were (in check mode, would be) created, written or given new attributes, in order.
+  description: The directories and files that were (in check mode, would be) created, written, given new attributes or removed, in order.
   type: list
   elements: str
   returned: always
@@ -128,6 +134,16 @@ def _file(module: AnsibleModule, item: dict) -> bool:
     return _attributes(module, dest, item, changed)
 
 
+def _absent(module: AnsibleModule, path: str) -> bool:
+    if not os.path.lexists(path):
+        return False
+    if os.path.isdir(path) and not os.path.islink(path):
+        module.fail_json(msg=f"{path} is a directory, not a file to remove")
+    if not module.check_mode:
+        os.unlink(path)
+    return True
+
+
 def main() -> None:
     entry = {"owner": {"type": "str"}, "group": {"type": "str"}, "mode": {"type": "raw"}}
     module = AnsibleModule(
@@ -137,11 +153,13 @@ def main() -> None:
             "files": {"type": "list", "elements": "dict", "default": [],
                       "options": {"dest": {"type": "path", "required": True},
                                   "content": {"type": "str", "required": True}, **entry}},
+            "absent": {"type": "list", "elements": "path", "default": []},
         },
         supports_check_mode=True,
     )
     updated = [d["path"] for d in module.params["directories"] if _directory(module, d)]
     updated += [f["dest"] for f in module.params["files"] if _file(module, f)]
+    updated += [p for p in module.params["absent"] if _absent(module, p)]
     module.exit_json(changed=bool(updated), updated=updated)
 
 
