@@ -7,6 +7,7 @@ counts them, in the JSON and in the table; a door whose socket cannot be read is
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import threading
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from test_front_door_role import Door, door, stream  # noqa: F401 - the fixture
 
+from ansible_collections.mlafleet.fleet.plugins.module_utils import haproxy_runtime
 from mlafleet.ops import door_status, status
 
 
@@ -91,3 +93,25 @@ def test_door_hosts_are_known_from_the_inventory_and_listed_under_the_table_only
     table = status.format_table(rows)
     assert [line.split()[0] for line in table.strip().splitlines()[1:]] == ["lab1", "door-01"]
     assert "NoValidConnectionsError: refused" in table
+
+
+def test_a_drained_backend_that_is_down_is_read_as_drained_and_ready_sets_it_back(door: Door):  # noqa: F811
+    """A drained server whose health checks fail shows only DOWN in `show stat`: the door's view and
+    the module read the administrative state HAProxy keeps (`show servers state`), so `ready` sets it
+    back. (Read from the status, it looked ready already: a rollout's ready that came before the
+    door's checks saw the restarted server waited its 120 s for UP and left it drained.)"""
+    done, _ = door.play("door", "config")
+    assert done.returncode == 0, done.stdout[-3000:]
+    door.start()
+    assert door.ask("set server vllm/b1 state drain").strip() == ""
+    door.b1.stop()
+    deadline = time.monotonic() + 10
+    while not door.servers()[0]["status"].startswith("DOWN") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    b1 = {s["name"]: s for s in door_part(door.socket)["servers"]}["b1"]
+    assert b1["status"].startswith("DOWN") and b1["admin"] == "drain"
+    done, results = door.play("b1", "ready", front_door_ready_timeout=1)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert re.search(r"Set it ready at every door.*\*+\nchanged: \[b1 -> door\]", done.stdout), done.stdout[-3000:]
+    assert results["b1"]["ready"]["up"] is False  # still down: nothing answers
+    assert haproxy_runtime.admin_states(door.ask("show servers state vllm")) == {"b1": "ready", "b2": "ready"}

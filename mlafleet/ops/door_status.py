@@ -5,7 +5,8 @@ On a host whose HAProxy runtime socket exists (a door: `front_door_socket`, defa
 of the `vllm` backend: its status (UP, DOWN, DRAIN, MAINT, ...), the administrative state mlafleet
 sets (ready, drain, maint), the sessions it carries now, its weight (0 while the door's completion
 check fails) and the last health check. The reading and parsing are the door module's own
-(plugins/module_utils/haproxy_runtime.py: `ask`, `admin_of`, `servers_of`), sent as their source,
+(plugins/module_utils/haproxy_runtime.py: `ask`, `admin_of`, `servers_of`, `admin_states`,
+`read_servers`), sent as their source,
 so they exist once.
 
 - REMOTE_SNIPPET: appended to status's remote script (its `out`; the socket path is argv[5]).
@@ -25,12 +26,13 @@ BACKEND = "vllm"
 DOOR_GROUP = "mlafleet_front_door"
 
 REMOTE_SNIPPET = "\nimport csv, io, socket\n" + "".join(
-    inspect.getsource(f) for f in (haproxy_runtime.ask, haproxy_runtime.admin_of, haproxy_runtime.servers_of)) + f'''
+    inspect.getsource(f) for f in (haproxy_runtime.ask, haproxy_runtime.admin_of, haproxy_runtime.servers_of,
+                                   haproxy_runtime.admin_states, haproxy_runtime.read_servers)) + f'''
 door_socket = sys.argv[5] if len(sys.argv) > 5 else {SOCKET!r}
 if os.path.exists(door_socket):
     try:
         out["door"] = {{"socket": door_socket, "backend": {BACKEND!r},
-                       "servers": servers_of(ask(door_socket, "show stat"), {BACKEND!r})}}
+                       "servers": read_servers(door_socket, {BACKEND!r})}}
     except (OSError, ValueError) as exc:
         out["door"] = {{"socket": door_socket, "error": "cannot read HAProxy's runtime API on %s: %s" % (door_socket, exc)}}
 else:

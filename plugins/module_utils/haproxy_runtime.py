@@ -27,7 +27,8 @@ def ask(path: str, command: str, timeout: float = 10.0) -> str:
 
 
 def admin_of(status: str) -> str:
-    """The administrative state a `show stat` status shows (drain and maint win over health)."""
+    """The administrative state a `show stat` status shows (drain and maint win over health; a
+    drained server that is DOWN shows only DOWN: admin_states has the state HAProxy keeps)."""
     if status.startswith("MAINT"):
         return "maint"
     if status.startswith("DRAIN"):
@@ -51,3 +52,30 @@ def servers_of(text: str, backend: str) -> list[dict]:
                     "weight": int(row.get("weight") or 0),
                     "check_status": row.get("check_status") or "", "address": row.get("addr") or ""})
     return out
+
+
+def admin_states(text: str) -> dict:
+    """Each server's administrative state, maint, drain or ready, from a `show servers state
+    <backend>` answer: its srv_admin_state bits (0x01 forced, 0x02 inherited, 0x04 configured,
+    0x20 resolver, 0x40 health-check maintenance; 0x08 forced, 0x10 inherited drain)."""
+    names, out = None, {}
+    for line in text.splitlines():
+        if line.startswith("# "):
+            names = line[2:].split()
+            continue
+        row = dict(zip(names or [], line.split()))
+        if not row.get("srv_name") or not row.get("srv_admin_state", "").isdigit():
+            continue
+        bits = int(row["srv_admin_state"])
+        out[row["srv_name"]] = "maint" if bits & 0x67 else "drain" if bits & 0x18 else "ready"
+    return out
+
+
+def read_servers(path: str, backend: str) -> list:
+    """The servers of `backend` as `show stat` counts them, each with the administrative state
+    HAProxy keeps for it (`show servers state`: also while a drained server is DOWN)."""
+    servers = servers_of(ask(path, "show stat"), backend)
+    admin = admin_states(ask(path, "show servers state " + backend))
+    for server in servers:
+        server["admin"] = admin.get(server["name"], server["admin"])
+    return servers

@@ -71,7 +71,7 @@ EXAMPLES = r"""
 import time
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.mlafleet.fleet.plugins.module_utils.haproxy_runtime import ask, servers_of
+from ansible_collections.mlafleet.fleet.plugins.module_utils.haproxy_runtime import ask, read_servers
 
 
 def main() -> None:
@@ -93,7 +93,7 @@ def main() -> None:
 
     def read() -> list[dict]:
         try:
-            return servers_of(ask(path, "show stat"), backend)
+            return read_servers(path, backend)
         except (OSError, ValueError) as exc:
             module.fail_json(msg=f"front door: cannot read HAProxy's runtime API on {path}: {exc}")
 
