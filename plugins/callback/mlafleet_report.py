@@ -182,7 +182,6 @@ class CallbackModule(CallbackBase):
                       if stats is not None else {}),
         }
         try:
-            report_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             write_private(report_dir / "timeline.json", json.dumps(timeline, indent=1, sort_keys=True) + "\n")
         except OSError as exc:
             self._display.warning(f"mlafleet_report: could not write the timeline in {report_dir}: {exc}")
